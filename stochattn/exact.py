@@ -1,0 +1,63 @@
+"""Exact decode attention: the baseline every estimator is measured against."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _validation as val
+from ._backend import backend_of, cuda_not_implemented
+from .diagnostics import Diagnostics
+from .reference import exact as _ref
+from .reference.common import finish, lengths
+
+__all__ = ["exact_attention"]
+
+
+def exact_attention(q, k, v, seq_lens=None, *, softmax_scale=None, check_finite=False,
+                    return_diagnostics=False):
+    """Exact softmax attention of one decode step.
+
+    Parameters
+    ----------
+    q : array, shape (B, Hq, D)
+        One query per sequence and query head.
+    k, v : array, shape (B, Hkv, N, D)
+        Key and value caches; query head h reads KV head ``h // (Hq // Hkv)``.
+    seq_lens : integer array, shape (B,), optional
+        Sequence b uses ``k[b, :, :seq_lens[b]]``; default: all N tokens. A sequence of
+        length 0 yields a zero output row.
+    softmax_scale : float, optional
+        Logit scale, default ``1 / sqrt(D)``.
+    check_finite : bool
+        Check that q, k, v hold no NaN or inf (reads the data; off by default).
+    return_diagnostics : bool
+        Also return a :class:`~stochattn.Diagnostics`.
+
+    Returns
+    -------
+    out : array, shape (B, Hq, D), dtype of ``q``
+    diagnostics : Diagnostics, only when ``return_diagnostics``
+
+    Examples
+    --------
+    >>> import numpy as np, stochattn
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((1, 4, 64)); k = rng.standard_normal((1, 2, 100, 64))
+    >>> stochattn.exact_attention(q, k, k).shape
+    (1, 4, 64)
+    """
+    backend = backend_of(q=q, k=k, v=v, seq_lens=seq_lens)
+    if backend != "numpy":
+        raise cuda_not_implemented("exact_attention", "the split-KV exact decode kernel")
+    shape = val.check_attention_inputs(q, k, v, seq_lens)
+    scale = val.check_scale(softmax_scale, shape.head_dim)
+    if check_finite:
+        val.check_finite(q=q, k=k, v=v)
+    out = finish(_ref.exact_attention(q, k, v, seq_lens, scale), q.dtype)
+    if not return_diagnostics:
+        return out
+    lens = lengths(seq_lens, shape.batch, shape.tokens)
+    rows = np.repeat(lens[:, None], shape.kv_heads, axis=1)
+    diag = Diagnostics(seq_lens=lens, k_rows_read=rows, v_rows_read=rows.copy(),
+                       true_mass=(lens[:, None] > 0) * np.ones((shape.batch, shape.q_heads)))
+    return out, diag

@@ -1,0 +1,72 @@
+"""Pieces every reference estimator shares: lengths, logits, masked softmax weights.
+
+Everything here works in float64, the precision that decides correctness.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = [
+    "lengths",
+    "logits",
+    "masked_weights",
+    "kv_head_of",
+    "union_rows_per_kv_head",
+    "finish",
+]
+
+
+def lengths(seq_lens, batch: int, tokens: int) -> np.ndarray:
+    """``seq_lens`` as int64 (B,), or every sequence full when None."""
+    if seq_lens is None:
+        return np.full(batch, tokens, dtype=np.int64)
+    return np.asarray(seq_lens).astype(np.int64)
+
+
+def valid_mask(lens: np.ndarray, tokens: int) -> np.ndarray:
+    """(B, 1, N) boolean: token j exists in sequence b."""
+    return (np.arange(tokens)[None, :] < lens[:, None])[:, None, :]
+
+
+def logits(q, k, lens, scale: float) -> np.ndarray:
+    """x[b, h, j] = scale * q[b, h] . k[b, h // G, j] in float64; -inf past seq_lens[b].
+
+    GQA is handled by viewing q as (B, Hkv, G, D) so each KV head is read once.
+    """
+    B, Hq, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    qg = np.asarray(q, dtype=np.float64).reshape(B, Hkv, G, D)
+    x = np.einsum("bkgd,bknd->bkgn", qg, np.asarray(k, dtype=np.float64)).reshape(B, Hq, N)
+    x *= scale
+    return np.where(valid_mask(lens, N), x, -np.inf)
+
+
+def masked_weights(x: np.ndarray):
+    """Max-shifted exponentials of logits along the last axis.
+
+    Returns ``(w, m)`` with ``w = exp(x - m)`` and ``m`` the row max (kept dims). Rows that
+    are all -inf (empty sequences) get ``m = 0`` and ``w = 0`` instead of NaN; the shift by
+    the max is what keeps |x| ~ 1e4 from overflowing.
+    """
+    m = np.max(x, axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    w = np.exp(x - m)  # exp(-inf) = 0 for masked tokens
+    return w, m
+
+
+def kv_head_of(q_heads: int, kv_heads: int) -> np.ndarray:
+    """KV head read by each query head: h // G."""
+    return np.arange(q_heads) // (q_heads // kv_heads)
+
+
+def union_rows_per_kv_head(read: np.ndarray, kv_heads: int) -> np.ndarray:
+    """Count rows read by any query head of a group: read (B, Hq, N) bool -> (B, Hkv)."""
+    B, Hq, N = read.shape
+    return read.reshape(B, kv_heads, Hq // kv_heads, N).any(axis=2).sum(axis=-1).astype(np.int64)
+
+
+def finish(out: np.ndarray, dtype) -> np.ndarray:
+    """Cast a float64 result to the caller's dtype."""
+    return out.astype(dtype, copy=False)

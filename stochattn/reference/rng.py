@@ -1,0 +1,128 @@
+"""Counter-based random numbers shared by the NumPy reference and the CUDA kernels.
+
+Generator: Philox-4x32-10 (Salmon et al., SC'11), the same generator as cuRAND's
+``curand_Philox4x32_10`` and Random123's ``philox4x32``. A draw is a pure function of a
+64-bit key and a 128-bit counter, so any thread (or NumPy vector lane) computes any draw
+without a shared state, and the GPU reproduces the reference bit for bit.
+
+Stream layout (written once; ``docs/rng.md`` repeats it for kernel authors)::
+
+    key     = (seed & 0xFFFFFFFF, seed >> 32)                     seed: 0 <= seed < 2**64
+    counter = (draw, stream, (purpose << 28) | row, offset)        four uint32 words
+        draw    index of the draw inside its stream (stratum m, feature j, ...)
+        stream  tile, cluster or other sub-stream index (0 when unused)
+        row     b * H + h: the (sequence, head) pair the draw belongs to, H the number of
+                heads that own independent draws (query heads, or KV heads for draws
+                shared by a GQA group); row < 2**28
+        purpose which random quantity this is (constants below), < 16
+        offset  the per-call counter chosen by the caller (decode step, layer), < 2**32
+
+Only the first output word x0 of each Philox block is used. It becomes a uniform on the
+open interval (0, 1) as ``u = (2 * (x0 >> 9) + 1) * 2**-24``: an odd multiple of 2**-24,
+exactly representable in float32 and float64, never 0 (so ``log(u)`` is finite) and never
+1. CUDA computes the same value with ``((x0 >> 9) * 2u + 1u) * 0x1p-24f``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = [
+    "PURPOSE_VALUE_SAMPLER",
+    "PURPOSE_BERNOULLI",
+    "PURPOSE_KMEANS_INIT",
+    "PURPOSE_CLUSTER_SAMPLER",
+    "philox4x32",
+    "random_words",
+    "uniforms",
+]
+
+# Purposes: which random quantity a stream feeds. Never renumber (it changes every draw).
+PURPOSE_VALUE_SAMPLER = 0  # SANTA value stage: strata / systematic offset / iid points
+PURPOSE_BERNOULLI = 1  # Bernoulli qK^T feature masks
+PURPOSE_KMEANS_INIT = 2  # Double-P k-means seeding (random keys of a permutation)
+PURPOSE_CLUSTER_SAMPLER = 3  # Double-P with SANTA draws inside approximate clusters
+
+_M0 = np.uint64(0xD2511F53)
+_M1 = np.uint64(0xCD9E8D57)
+_W0 = 0x9E3779B9
+_W1 = 0xBB67AE85
+_MASK32 = np.uint64(0xFFFFFFFF)
+_SHIFT32 = np.uint64(32)
+_ROW_LIMIT = 1 << 28
+
+
+def philox4x32(counter, key, rounds: int = 10):
+    """Philox-4x32 block function, vectorised over the leading axes.
+
+    Parameters
+    ----------
+    counter : sequence of 4 array_like of uint32
+        The four counter words (broadcast together).
+    key : sequence of 2 int
+        The two key words.
+    rounds : int
+        Number of rounds (10 for Philox-4x32-10).
+
+    Returns
+    -------
+    tuple of 4 ndarray of uint32
+        The four output words.
+    """
+    c = [np.asarray(w, dtype=np.uint64) for w in np.broadcast_arrays(*counter)]
+    k0, k1 = int(key[0]) & 0xFFFFFFFF, int(key[1]) & 0xFFFFFFFF
+    for r in range(rounds):
+        if r:
+            k0 = (k0 + _W0) & 0xFFFFFFFF
+            k1 = (k1 + _W1) & 0xFFFFFFFF
+        # 32x32 -> 64-bit products are exact in uint64.
+        p0 = _M0 * c[0]
+        p1 = _M1 * c[2]
+        hi0, lo0 = p0 >> _SHIFT32, p0 & _MASK32
+        hi1, lo1 = p1 >> _SHIFT32, p1 & _MASK32
+        c = [hi1 ^ c[1] ^ np.uint64(k0), lo1, hi0 ^ c[3] ^ np.uint64(k1), lo0]
+    return tuple(w.astype(np.uint32) for w in c)
+
+
+def _key(seed: int) -> tuple[int, int]:
+    seed = int(seed)
+    return seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
+
+
+def random_words(seed: int, offset: int, purpose: int, row, stream, draw):
+    """First Philox output word for each (row, stream, draw), broadcast together.
+
+    Parameters
+    ----------
+    seed : int
+        64-bit seed, ``0 <= seed < 2**64``.
+    offset : int
+        Per-call counter, ``0 <= offset < 2**32``.
+    purpose : int
+        One of the ``PURPOSE_*`` constants.
+    row, stream, draw : array_like of int
+        Counter fields of the layout above (broadcast together).
+
+    Returns
+    -------
+    ndarray of uint32
+    """
+    row = np.asarray(row, dtype=np.uint64)
+    if row.size and int(row.max()) >= _ROW_LIMIT:
+        raise ValueError(f"row index must be below 2**28, got {int(row.max())}")
+    word2 = (np.uint64(purpose) << np.uint64(28)) | row
+    x0, _, _, _ = philox4x32(
+        (np.asarray(draw, dtype=np.uint64), np.asarray(stream, dtype=np.uint64), word2,
+         np.uint64(int(offset) & 0xFFFFFFFF)),
+        _key(seed),
+    )
+    return x0
+
+
+def uniforms(seed: int, offset: int, purpose: int, row, stream, draw) -> np.ndarray:
+    """Uniforms on (0, 1) for each (row, stream, draw) of the layout, as float64.
+
+    The value is ``(2 * (x0 >> 9) + 1) * 2**-24``, exactly representable in float32.
+    """
+    x0 = random_words(seed, offset, purpose, row, stream, draw).astype(np.uint64)
+    return ((x0 >> np.uint64(9)) * np.uint64(2) + np.uint64(1)).astype(np.float64) * 2.0**-24

@@ -1,0 +1,30 @@
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+# Two profiles: "ci" (the default) draws fresh examples with no deadline; "derandomized"
+# replays the same examples every run (set HYPOTHESIS_PROFILE=derandomized).
+settings.register_profile(
+    "ci", deadline=None, max_examples=25, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile("derandomized", parent=settings.get_profile("ci"), derandomize=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def _has_gpu() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if any("gpu" in item.keywords for item in items) and not _has_gpu():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU with CuPy")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)

@@ -1,0 +1,51 @@
+"""Statistical assertions with a stated false-failure rate.
+
+``assert_unbiased`` compares the mean of R independent estimates with the truth, element
+by element, with a z-bound Bonferroni-corrected over the elements compared. Its nominal
+false-failure rate is ``alpha`` per call (the normal approximation of the mean of R >= 200
+bounded draws; elements whose estimates never vary must equal the truth to rounding).
+"""
+
+from __future__ import annotations
+
+from statistics import NormalDist
+
+import numpy as np
+
+
+def z_bound(alpha: float, comparisons: int) -> float:
+    """Two-sided normal bound with total false-failure rate ``alpha`` over ``comparisons``."""
+    return NormalDist().inv_cdf(1.0 - alpha / (2.0 * max(comparisons, 1)))
+
+
+def unbiased_zscores(estimates: np.ndarray, truth: np.ndarray):
+    """z-scores of mean(estimates) - truth over the leading (seed) axis, and the count used.
+
+    Elements with zero sample variance get z = 0 when they equal the truth to 1e-9
+    relative and z = inf otherwise.
+    """
+    estimates = np.asarray(estimates, dtype=np.float64)
+    truth = np.broadcast_to(np.asarray(truth, dtype=np.float64), estimates.shape[1:])
+    R = estimates.shape[0]
+    mean = estimates.mean(axis=0)
+    se = estimates.std(axis=0, ddof=1) / np.sqrt(R)
+    diff = np.abs(mean - truth)
+    scale = 1e-9 * (1.0 + np.abs(truth))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        z = np.where(se > 1e-12 * (1.0 + np.abs(truth)), diff / se, np.where(diff <= scale, 0.0, np.inf))
+    return z, z.size
+
+
+def assert_unbiased(estimates, truth, alpha: float = 1e-6, what: str = "estimator") -> float:
+    """Assert mean(estimates, axis 0) == truth within a Bonferroni z-bound; return max z.
+
+    False-failure rate: ``alpha`` (nominal) for an unbiased estimator.
+    """
+    z, m = unbiased_zscores(estimates, truth)
+    bound = z_bound(alpha, m)
+    worst = float(np.max(z))
+    assert worst <= bound, (
+        f"{what} looks biased: max |z| = {worst:.2f} > {bound:.2f} "
+        f"(alpha={alpha}, {m} elements, {np.asarray(estimates).shape[0]} seeds)"
+    )
+    return worst
