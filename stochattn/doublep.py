@@ -1,0 +1,382 @@
+"""Double-P hierarchical top-p attention (SPEC section 3) and fixed top-k clusters (section 4).
+
+Prefill builds a :class:`DoublePIndex` (k-means on the keys of the middle tokens, per
+sequence and KV head) with :func:`build_doublep_index`; each decode step calls
+:func:`doublep_attention` (or the baseline :func:`cluster_topk_attention`) with that index,
+and :meth:`DoublePIndex.append` absorbs the tokens that leave the exact window as the
+cache grows. The arithmetic is documented in :mod:`stochattn.reference.kmeans` and
+:mod:`stochattn.reference.doublep`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _validation as val
+from ._backend import backend_of, cuda_not_implemented
+from .diagnostics import Diagnostics
+from .reference import doublep as _ref
+from .reference import kmeans as _km
+from .reference.common import finish, lengths
+from .reference.samplers import SAMPLERS
+
+__all__ = ["DoublePIndex", "build_doublep_index", "doublep_attention", "cluster_topk_attention"]
+
+APPROX = ("centroid", "sample")
+
+
+@dataclass(eq=False)
+class DoublePIndex:
+    """Cluster index of a KV cache for Double-P (NumPy arrays, host memory).
+
+    Token ranges of sequence b with length L: sinks ``[0, min(n_sink, L))``, middle
+    ``[n_sink, window_start[b])`` (clustered), window ``[window_start[b], L)``, where
+    ``window_start = max(n_sink, L - window)``.
+
+    Attributes
+    ----------
+    centroids : ndarray of float64, shape (B, Hkv, C, D)
+        Cluster centroids; 0 for clusters that never held a token.
+    sizes : ndarray of int64, shape (B, Hkv, C)
+        Tokens per cluster.
+    value_sums : ndarray of float64, shape (B, Hkv, C, D)
+        Sum of the value rows of each cluster's tokens.
+    labels : ndarray of int32, shape (B, Hkv, N)
+        Cluster of each middle token; -1 for sink, window and padding positions.
+    seq_lens : ndarray of int64, shape (B,)
+        Sequence lengths the index describes; attention calls must pass the same.
+    window_start : ndarray of int64, shape (B,)
+        First position of the exact window.
+    n_initialized : ndarray of int64, shape (B, Hkv)
+        Clusters ``0 .. n_initialized - 1`` hold a centroid ("live"); the others are empty
+        and get seeded by the first tokens appended (only when the prompt had fewer
+        middle tokens than clusters).
+    n_sink, window, n_clusters : int
+        Construction parameters.
+    """
+
+    centroids: np.ndarray
+    sizes: np.ndarray
+    value_sums: np.ndarray
+    labels: np.ndarray
+    seq_lens: np.ndarray
+    window_start: np.ndarray
+    n_sink: int
+    window: int
+    n_clusters: int
+    n_initialized: np.ndarray
+
+    @property
+    def value_means(self) -> np.ndarray:
+        """``value_sums / sizes`` (B, Hkv, C, D) float64; 0 for empty clusters."""
+        s = self.sizes[..., None].astype(np.float64)
+        return np.divide(self.value_sums, s, out=np.zeros_like(self.value_sums), where=s > 0)
+
+    def csr(self):
+        """Tokens grouped by cluster, the layout a GPU kernel reads contiguously.
+
+        Returns
+        -------
+        offsets : ndarray of int64, shape (B, Hkv, C + 1)
+            Cluster c of (b, kvh) holds ``token_ids[b, kvh, offsets[c]:offsets[c + 1]]``.
+        token_ids : ndarray of int64, shape (B, Hkv, M)
+            Token positions grouped by cluster, ascending inside a cluster; M is the
+            largest middle-token count over the batch; padded with -1.
+        """
+        return _km.cluster_csr(self.labels, self.sizes, self.window_start, self.n_sink)
+
+    def append(self, k, v, seq_lens) -> None:
+        """Absorb the tokens that left the exact window, in place.
+
+        Call after writing the new tokens into the cache. Tokens in
+        ``[window_start, max(n_sink, L' - window))`` join their nearest centroid (sizes and
+        value sums updated, centroids unchanged), in position order; while a (b, KV head)
+        still has clusters without a centroid, a token seeds one instead. Appending one
+        token at a time gives the same index, bit for bit, as appending many at once.
+
+        Parameters
+        ----------
+        k, v : ndarray, shape (B, Hkv, N', D)
+            The grown cache; N' may exceed the N the index was built with.
+        seq_lens : integer ndarray, shape (B,), or None
+            New lengths (None: N' each), each at least the current ``self.seq_lens``.
+
+        Raises
+        ------
+        ValueError
+            Shapes that do not match the index, or a sequence that shrinks.
+        """
+        if backend_of(k=k, v=v, seq_lens=seq_lens) != "numpy":
+            raise cuda_not_implemented("DoublePIndex.append", "the cluster append kernel")
+        B, Hkv, N, D = val.check_kv_inputs(k, v, seq_lens)
+        self._check_cache(B, Hkv, D)
+        new = lengths(seq_lens, B, N)
+        if np.any(new < self.seq_lens):
+            raise ValueError(
+                f"`seq_lens` must not shrink: expected each >= {self.seq_lens.tolist()}, "
+                f"got {new.tolist()}"
+            )
+        if N > self.labels.shape[-1]:  # the cache grew: extend the labels with -1
+            grown = np.full(self.labels.shape[:2] + (N,), -1, dtype=self.labels.dtype)
+            grown[..., :self.labels.shape[-1]] = self.labels
+            self.labels = grown
+        _km.append_tokens(self.centroids, self.sizes, self.value_sums, self.labels,
+                          self.window_start, self.n_initialized, k, v, new,
+                          self.n_sink, self.window)
+        self.seq_lens = new
+
+    def _check_cache(self, B, Hkv, D) -> None:
+        expected = (self.centroids.shape[0], self.centroids.shape[1], self.centroids.shape[3])
+        if (B, Hkv, D) != expected:
+            raise ValueError(
+                f"`k` must match the index (batch, kv_heads, head_dim) {expected}, "
+                f"got {(B, Hkv, D)}"
+            )
+
+    def __repr__(self) -> str:
+        B, Hkv, C, D = self.centroids.shape
+        return (f"DoublePIndex(batch={B}, kv_heads={Hkv}, n_clusters={C}, head_dim={D}, "
+                f"n_sink={self.n_sink}, window={self.window}, seq_lens={self.seq_lens.tolist()})")
+
+
+def build_doublep_index(k, v, seq_lens=None, *, n_clusters, iterations=10, n_sink=4, window=64,
+                        seed=0, check_finite=False) -> DoublePIndex:
+    """Prefill: k-means index of the middle tokens of every (sequence, KV head).
+
+    Parameters
+    ----------
+    k, v : ndarray, shape (B, Hkv, N, D)
+        Key and value caches (float16, float32 or float64).
+    seq_lens : integer ndarray, shape (B,), optional
+        Sequence b uses ``k[b, :, :seq_lens[b]]``; default: all N tokens.
+    n_clusters : int
+        Clusters per (sequence, KV head), C, ``1 <= C <= N``. Sequences with fewer middle
+        tokens M than C leave ``C - M`` clusters empty.
+    iterations : int
+        Lloyd iterations (>= 0) after the seeded initialisation; a final assignment with
+        the final centroids always follows.
+    n_sink, window : int
+        Tokens kept exact at the start and at the end of each sequence (>= 0). The middle
+        tokens are ``[n_sink, max(n_sink, L - window))``; a sequence with
+        ``L <= n_sink + window`` has none and is attended exactly.
+    seed : int
+        Seed of the initialisation (a random subset of middle tokens, drawn by the
+        counter-based generator: see :mod:`stochattn.reference.kmeans`).
+    check_finite : bool
+        Check that k and v hold no NaN or inf (reads the data; off by default).
+
+    Returns
+    -------
+    DoublePIndex
+
+    Raises
+    ------
+    ValueError
+        ``n_clusters`` outside [1, N], negative ``iterations``, ``n_sink`` or ``window``,
+        bad shapes.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from stochattn.doublep import build_doublep_index
+    >>> rng = np.random.default_rng(0)
+    >>> k = rng.standard_normal((1, 2, 300, 16)); v = rng.standard_normal((1, 2, 300, 16))
+    >>> index = build_doublep_index(k, v, n_clusters=16)
+    >>> index.sizes.sum(axis=-1)  # middle tokens: 300 - 4 sinks - 64 window
+    array([[232, 232]])
+    """
+    if backend_of(k=k, v=v, seq_lens=seq_lens) != "numpy":
+        raise cuda_not_implemented("build_doublep_index", "the k-means prefill kernel")
+    B, Hkv, N, D = val.check_kv_inputs(k, v, seq_lens)
+    n_clusters = val.check_positive_int("n_clusters", n_clusters)
+    if n_clusters > N:
+        raise ValueError(
+            f"`n_clusters` must be <= {N} (the seq axis of `k`): more clusters than tokens, "
+            f"got {n_clusters}"
+        )
+    iterations = val.check_nonnegative_int("iterations", iterations)
+    n_sink = val.check_nonnegative_int("n_sink", n_sink)
+    window = val.check_nonnegative_int("window", window)
+    seed, _ = val.check_seed_offset(seed, 0)
+    if check_finite:
+        val.check_finite(k=k, v=v)
+    lens = lengths(seq_lens, B, N)
+    arrays = _km.build_index(k, v, lens, n_clusters, iterations, n_sink, window, seed)
+    return DoublePIndex(seq_lens=lens.copy(), n_sink=n_sink, window=window, n_clusters=n_clusters,
+                        **arrays)
+
+
+def _check_index(index, shape, seq_lens):
+    """The index must be a DoublePIndex of this cache at these lengths; returns lengths."""
+    if not isinstance(index, DoublePIndex):
+        raise TypeError(f"`index` must be a DoublePIndex (from build_doublep_index), "
+                        f"got {type(index).__name__}")
+    index._check_cache(shape.batch, shape.kv_heads, shape.head_dim)
+    lens = lengths(seq_lens, shape.batch, shape.tokens)
+    if not np.array_equal(lens, index.seq_lens):
+        raise ValueError(
+            f"`seq_lens` must equal the index's seq_lens {index.seq_lens.tolist()} "
+            f"(call index.append(k, v, seq_lens) after writing new tokens), got {lens.tolist()}"
+        )
+    return lens
+
+
+def _diagnostics(lens, d) -> Diagnostics:
+    return Diagnostics(seq_lens=lens, k_rows_read=d["k_rows_read"], v_rows_read=d["v_rows_read"],
+                       clusters_selected=d["clusters_selected"], clusters_exact=d["clusters_exact"],
+                       tokens_exact=d["tokens_exact"], estimated_mass=d["estimated_mass"],
+                       true_mass=d["true_mass"])
+
+
+def doublep_attention(q, k, v, seq_lens=None, *, index, p1=0.95, p2=0.7, approx="centroid",
+                      budget=None, sampler="systematic", seed=0, offset=0, softmax_scale=None,
+                      check_finite=False, return_diagnostics=False):
+    """Double-P decode: cluster-level top-p, then exact tokens or approximations per cluster.
+
+    Stage 1 keeps the shortest set C_p of clusters (by centroid-estimated mass
+    ``s_i exp(scale q.C_i)``, descending) whose estimated mass reaches ``p1``; stage 2
+    computes the first clusters of C_p, up to estimated mass ``p2``, token by token and
+    approximates the rest (C_approx). Sinks and window are always exact; clusters outside
+    C_p are dropped.
+
+    Parameters
+    ----------
+    q : ndarray, shape (B, Hq, D)
+        One query per sequence and query head.
+    k, v : ndarray, shape (B, Hkv, N, D)
+        Key and value caches; query head h reads KV head ``h // (Hq // Hkv)``.
+    seq_lens : integer ndarray, shape (B,), optional
+        Must equal ``index.seq_lens`` (None means N for every sequence and must match too).
+        A sequence of length 0 yields a zero output row.
+    index : DoublePIndex
+        Built from this cache by :func:`build_doublep_index`, kept current with
+        :meth:`DoublePIndex.append`.
+    p1, p2 : float in (0, 1]
+        Stage 1 and stage 2 thresholds (paper: 0.95/0.7 for Llama-3.1-8B, 0.99/0.8 for
+        Qwen3-8B). ``p1 = p2 = 1`` gives exact attention.
+    approx : {"centroid", "sample"}
+        How C_approx enters: ``"centroid"`` (the paper) as one pseudo-token per cluster,
+        logit ``log Zhat_i`` and value the cluster's mean value; ``"sample"`` by ``budget``
+        SANTA draws over the exact weights of C_approx's tokens, which reads their keys and
+        is unbiased for the p2 = 1 output.
+    budget : int, optional
+        Sample points per query head; required (>= 1) with ``approx="sample"``, must be
+        None with ``approx="centroid"``.
+    sampler : {"systematic", "stratified", "iid"}
+        Sampler of ``approx="sample"``.
+    seed, offset : int
+        Random stream of ``approx="sample"`` (``0 <= seed < 2**64``, ``0 <= offset < 2**32``).
+    softmax_scale : float, optional
+        Logit scale, default ``1 / sqrt(D)``.
+    check_finite : bool
+        Check that q, k, v hold no NaN or inf (reads the data; off by default).
+    return_diagnostics : bool
+        Also return a :class:`~stochattn.Diagnostics` with clusters_selected (|C_p|),
+        clusters_exact (|C_exact|), tokens_exact (sinks + window + tokens of C_exact),
+        estimated_mass (centroid-estimated mass of C_p among the clusters; 1 when there is
+        no cluster), true_mass (exact softmax mass of sinks + window + tokens of C_p; both
+        masses are 0 for an empty sequence), and
+        the K/V rows read per KV head (centroid: exact tokens; sample: K of exact and
+        C_approx tokens, V of exact and sampled rows).
+
+    Returns
+    -------
+    out : ndarray, shape (B, Hq, D), dtype of ``q``
+    diagnostics : Diagnostics, only when ``return_diagnostics``
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from stochattn.doublep import build_doublep_index, doublep_attention
+    >>> rng = np.random.default_rng(0)
+    >>> k = rng.standard_normal((1, 2, 300, 16)); v = rng.standard_normal((1, 2, 300, 16))
+    >>> q = rng.standard_normal((1, 4, 16))
+    >>> index = build_doublep_index(k, v, n_clusters=16)
+    >>> doublep_attention(q, k, v, index=index).shape
+    (1, 4, 16)
+    >>> doublep_attention(q, k, v, index=index, approx="sample", budget=8, seed=1).shape
+    (1, 4, 16)
+    """
+    if backend_of(q=q, k=k, v=v, seq_lens=seq_lens) != "numpy":
+        raise cuda_not_implemented("doublep_attention", "the Double-P decode kernel")
+    shape = val.check_attention_inputs(q, k, v, seq_lens)
+    p1 = val.check_probability("p1", p1)
+    p2 = val.check_probability("p2", p2)
+    approx = val.check_choice("approx", approx, APPROX)
+    if approx == "sample":
+        if budget is None:
+            raise ValueError("`budget` is required with approx='sample' (an integer >= 1), got None")
+        budget = val.check_budget("budget", budget)
+    elif budget is not None:
+        raise ValueError(f"`budget` must be None with approx='centroid', got {budget!r}")
+    sampler = val.check_choice("sampler", sampler, SAMPLERS)
+    seed, offset = val.check_seed_offset(seed, offset)
+    scale = val.check_scale(softmax_scale, shape.head_dim)
+    lens = _check_index(index, shape, seq_lens)
+    if check_finite:
+        val.check_finite(q=q, k=k, v=v)
+    out, d = _ref.doublep_attention(q, k, v, lens, index, p1=p1, p2=p2, approx=approx,
+                                    budget=budget, sampler=sampler, seed=seed, offset=offset,
+                                    scale=scale)
+    out = finish(out, q.dtype)
+    if not return_diagnostics:
+        return out
+    return out, _diagnostics(lens, d)
+
+
+def cluster_topk_attention(q, k, v, seq_lens=None, *, index, clusters, softmax_scale=None,
+                           check_finite=False, return_diagnostics=False):
+    """Fixed top-k clusters (RetroInfer-like baseline) on a Double-P index.
+
+    The ``clusters`` non-empty clusters of largest ``xbar_i = scale q.C_i + log s_i``
+    (ties to the lower index; all of them if fewer are non-empty) are computed exactly
+    together with the sinks and the window, and the softmax is renormalised over them.
+
+    Parameters
+    ----------
+    q : ndarray, shape (B, Hq, D)
+    k, v : ndarray, shape (B, Hkv, N, D)
+    seq_lens : integer ndarray, shape (B,), optional
+        Must equal ``index.seq_lens`` (None means N and must match too).
+    index : DoublePIndex
+    clusters : int
+        Clusters kept per query head, >= 1.
+    softmax_scale : float, optional
+        Logit scale, default ``1 / sqrt(D)``.
+    check_finite : bool
+        Check that q, k, v hold no NaN or inf (off by default).
+    return_diagnostics : bool
+        Also return a :class:`~stochattn.Diagnostics` (clusters_selected, tokens_exact,
+        estimated_mass, true_mass, rows read).
+
+    Returns
+    -------
+    out : ndarray, shape (B, Hq, D), dtype of ``q``
+    diagnostics : Diagnostics, only when ``return_diagnostics``
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from stochattn.doublep import build_doublep_index, cluster_topk_attention
+    >>> rng = np.random.default_rng(0)
+    >>> k = rng.standard_normal((1, 2, 300, 16)); v = rng.standard_normal((1, 2, 300, 16))
+    >>> q = rng.standard_normal((1, 4, 16))
+    >>> index = build_doublep_index(k, v, n_clusters=16)
+    >>> cluster_topk_attention(q, k, v, index=index, clusters=4).shape
+    (1, 4, 16)
+    """
+    if backend_of(q=q, k=k, v=v, seq_lens=seq_lens) != "numpy":
+        raise cuda_not_implemented("cluster_topk_attention", "the cluster top-k decode kernel")
+    shape = val.check_attention_inputs(q, k, v, seq_lens)
+    clusters = val.check_positive_int("clusters", clusters)
+    scale = val.check_scale(softmax_scale, shape.head_dim)
+    lens = _check_index(index, shape, seq_lens)
+    if check_finite:
+        val.check_finite(q=q, k=k, v=v)
+    out, d = _ref.cluster_topk_attention(q, k, v, lens, index, clusters=clusters, scale=scale)
+    out = finish(out, q.dtype)
+    if not return_diagnostics:
+        return out
+    return out, _diagnostics(lens, d)

@@ -1,0 +1,235 @@
+"""Double-P decode (SPEC section 3) and fixed top-k clusters (SPEC section 4), float64.
+
+Per query head h (KV head h // G) of sequence b, with scale s and the index of
+:mod:`.kmeans`:
+
+- Cluster scores over the non-empty clusters: ``xbar_i = s * q.C_i + log s_i``, the
+  log of the centroid estimate ``Zhat_i = s_i exp(s * q.C_i)`` of the cluster's mass.
+- Stage 1: ``w_i = exp(xbar_i - max xbar)`` (max shift: the largest weight is 1 and
+  none overflows), clusters ordered by w descending, ties to the lower cluster index;
+  ``cs`` the cumulative sums in that order and ``total = cs[-1]``. C_p is the shortest
+  prefix with ``cs >= p1 * total``; p1 == 1 takes every non-empty cluster (a tail of
+  weights that underflow to 0 would otherwise be cut).
+- Stage 2: C_exact is the shortest prefix of the same order with ``cs >= p2 * total``,
+  capped at |C_p| (p2 == 1: all of C_p); C_approx is the rest of C_p.
+- Exact tokens E: sinks ``[0, min(n_sink, L))``, window ``[window_start, L)`` and the
+  tokens of C_exact.
+- ``approx="centroid"``: each C_approx cluster enters as one pseudo-token of logit
+  ``xbar_i`` and value ``Vbar_i``; the output is the softmax mix over E and those
+  pseudo-tokens, shifted by their common max.
+- ``approx="sample"``: the tokens of C_approx (clusters in selection order, positions
+  ascending inside a cluster) get exact logits; ``budget`` points of the chosen sampler
+  (purpose PURPOSE_CLUSTER_SAMPLER, row b * Hq + h, stream 0) pick rows J by inverse CDF
+  over their weights, and ``Z_A * mean(v_J)`` replaces ``sum_A e^x v``. The denominator
+  is exact, so the estimate is unbiased for the attention restricted to sinks + window +
+  all tokens of C_p (the p2 = 1 output), whatever the budget.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .common import union_rows_per_kv_head
+from .kmeans import cluster_csr
+from .rng import PURPOSE_CLUSTER_SAMPLER
+from .samplers import invert_cdf, sample_points
+
+__all__ = ["cluster_scores", "select_clusters", "doublep_attention", "cluster_topk_attention"]
+
+
+def cluster_scores(q_h: np.ndarray, centroids: np.ndarray, sizes: np.ndarray, scale: float):
+    """Non-empty clusters of one (b, KV head) and their scores for one query.
+
+    Parameters
+    ----------
+    q_h : ndarray of float64, shape (D,)
+    centroids : ndarray, shape (C, D)
+    sizes : ndarray of int, shape (C,)
+    scale : float
+
+    Returns
+    -------
+    ids : ndarray of int64, shape (C',)
+        Non-empty clusters, ascending.
+    xbar : ndarray of float64, shape (C',)
+        ``scale * q.C_i + log s_i``.
+    """
+    ids = np.flatnonzero(sizes > 0)
+    cent = np.asarray(centroids[ids], dtype=np.float64)
+    xbar = (cent @ q_h) * scale + np.log(sizes[ids].astype(np.float64))
+    return ids, xbar
+
+
+def select_clusters(xbar: np.ndarray, p1: float, p2: float):
+    """Stage 1 and stage 2 selection over cluster scores.
+
+    Returns
+    -------
+    order : ndarray of int64
+        Indices into ``xbar`` by estimated mass, descending, ties to the lower index.
+    n_p, n_exact : int
+        |C_p| and |C_exact|: C_p is ``order[:n_p]``, C_exact ``order[:n_exact]``.
+    cs : ndarray of float64
+        Cumulative max-shifted weights in ``order``; the estimated mass of the first n
+        clusters is ``cs[n - 1] / cs[-1]``.
+    """
+    C = xbar.size
+    if C == 0:
+        return np.zeros(0, dtype=np.int64), 0, 0, np.zeros(0)
+    w = np.exp(xbar - xbar.max())  # max shift: weights in (0, 1], the top one exactly 1
+    order = np.argsort(-w, kind="stable")  # descending; stable keeps lower index first
+    cs = np.cumsum(w[order])  # running estimated mass, non-decreasing
+    total = cs[-1]
+    # searchsorted(side="left") finds the first prefix whose mass reaches the target.
+    n_p = C if p1 >= 1.0 else min(int(np.searchsorted(cs, p1 * total, side="left")) + 1, C)
+    n_e = n_p if p2 >= 1.0 else min(int(np.searchsorted(cs, p2 * total, side="left")) + 1, n_p)
+    return order.astype(np.int64), n_p, n_e, cs
+
+
+def _tokens_of(clusters, offsets, token_ids) -> np.ndarray:
+    """Token positions of the given clusters, concatenated in the given order."""
+    if len(clusters) == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([token_ids[offsets[c]:offsets[c + 1]] for c in clusters]).astype(np.int64)
+
+
+def _mass(x: np.ndarray, covered: np.ndarray) -> float:
+    """Softmax mass of the ``covered`` positions among all logits ``x`` (max-shifted)."""
+    w = np.exp(x - x.max())
+    return float(w[covered].sum() / w.sum())
+
+
+def _new_diagnostics(B, Hq, N):
+    return dict(
+        clusters_selected=np.zeros((B, Hq), dtype=np.int64),
+        clusters_exact=np.zeros((B, Hq), dtype=np.int64),
+        tokens_exact=np.zeros((B, Hq), dtype=np.int64),
+        estimated_mass=np.zeros((B, Hq)),
+        true_mass=np.zeros((B, Hq)),
+        k_read=np.zeros((B, Hq, N), dtype=bool),
+        v_read=np.zeros((B, Hq, N), dtype=bool),
+    )
+
+
+def _finish_diagnostics(d, Hkv):
+    d["k_rows_read"] = union_rows_per_kv_head(d.pop("k_read"), Hkv)
+    d["v_rows_read"] = union_rows_per_kv_head(d.pop("v_read"), Hkv)
+    return d
+
+
+def _heads(q, k, v, lens, index):
+    """Yield per (b, kvh): b, kvh, L, base tokens, K, V (float64, first L rows), csr slices."""
+    B, Hkv = k.shape[0], k.shape[1]
+    offsets, token_ids = cluster_csr(index.labels, index.sizes, index.window_start, index.n_sink)
+    for b in range(B):
+        L = int(lens[b])
+        if L == 0:
+            continue  # zero output row, nothing read
+        ws = int(index.window_start[b])
+        base = np.concatenate([np.arange(min(index.n_sink, L)), np.arange(ws, L)]).astype(np.int64)
+        for kvh in range(Hkv):
+            K = np.asarray(k[b, kvh, :L], dtype=np.float64)
+            V = np.asarray(v[b, kvh, :L], dtype=np.float64)
+            yield b, kvh, L, base, K, V, offsets[b, kvh], token_ids[b, kvh]
+
+
+def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, seed, offset,
+                      scale):
+    """Double-P decode output (B, Hq, D) float64 and a dict of diagnostics arrays.
+
+    ``index`` is a :class:`stochattn.doublep.DoublePIndex` (only its arrays are read).
+    """
+    B, Hq, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    q64 = np.asarray(q, dtype=np.float64)
+    out = np.zeros((B, Hq, D))
+    diag = _new_diagnostics(B, Hq, N)
+    if approx == "sample":
+        rows = np.arange(B * Hq, dtype=np.int64).reshape(B, Hq)  # row = b * Hq + h
+        points = sample_points(sampler, budget, seed=seed, offset=offset, row=rows, stream=0,
+                               purpose=PURPOSE_CLUSTER_SAMPLER)  # (B, Hq, budget)
+    value_means = index.value_means  # VS_i / s_i, 0 for empty clusters
+    for b, kvh, L, base, K, V, offsets, token_ids in _heads(q, k, v, lens, index):
+        sizes = index.sizes[b, kvh]
+        means = value_means[b, kvh]
+        for g in range(G):
+            h = kvh * G + g
+            x = (K @ q64[b, h]) * scale  # exact logits of the whole sequence, (L,)
+            ids, xbar = cluster_scores(q64[b, h], index.centroids[b, kvh], sizes, scale)
+            order, n_p, n_e, cs = select_clusters(xbar, p1, p2)
+            exact = np.concatenate([base, _tokens_of(ids[order[:n_e]], offsets, token_ids)])
+            approx_ids = ids[order[n_e:n_p]]
+            xe = x[exact]
+            if approx == "centroid":
+                xa = xbar[order[n_e:n_p]]  # pseudo-token logits log Zhat_i
+                m = max(xe.max(initial=-np.inf), xa.max(initial=-np.inf))  # common max shift
+                we, wa = np.exp(xe - m), np.exp(xa - m)
+                num = we @ V[exact] + wa @ means[approx_ids]
+                den = we.sum() + wa.sum()
+                approx_tokens = _tokens_of(approx_ids, offsets, token_ids)
+                v_extra = np.zeros(0, dtype=np.int64)
+                k_extra = np.zeros(0, dtype=np.int64)
+            else:
+                approx_tokens = _tokens_of(approx_ids, offsets, token_ids)
+                xa = x[approx_tokens]
+                m = max(xe.max(initial=-np.inf), xa.max(initial=-np.inf))
+                we, wa = np.exp(xe - m), np.exp(xa - m)
+                num = we @ V[exact]
+                den = we.sum()
+                k_extra = approx_tokens
+                v_extra = np.zeros(0, dtype=np.int64)
+                if approx_tokens.size:
+                    z_a = wa.sum()  # exact mass of C_approx (shifted by m)
+                    picks = approx_tokens[invert_cdf(wa, points[b, h])]
+                    # Unbiased: E[mean v_J] = sum_A (w_j / Z_A) v_j; the denominator is exact.
+                    num = num + z_a * V[picks].mean(axis=0)
+                    den = den + z_a
+                    v_extra = picks
+            out[b, h] = num / den
+            diag["clusters_selected"][b, h] = n_p
+            diag["clusters_exact"][b, h] = n_e
+            diag["tokens_exact"][b, h] = exact.size
+            diag["estimated_mass"][b, h] = cs[n_p - 1] / cs[-1] if n_p else 1.0
+            diag["true_mass"][b, h] = _mass(x, np.concatenate([exact, approx_tokens]))
+            diag["k_read"][b, h, exact] = True
+            diag["k_read"][b, h, k_extra] = True
+            diag["v_read"][b, h, exact] = True
+            diag["v_read"][b, h, v_extra] = True
+    return out, _finish_diagnostics(diag, Hkv)
+
+
+def cluster_topk_attention(q, k, v, lens, index, *, clusters, scale):
+    """Fixed top-k clusters (RetroInfer-like): output (B, Hq, D) float64 and diagnostics.
+
+    The ``clusters`` non-empty clusters of largest ``xbar`` (ties to the lower index) are
+    computed exactly with the sinks and the window, renormalised over them.
+    """
+    B, Hq, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    q64 = np.asarray(q, dtype=np.float64)
+    out = np.zeros((B, Hq, D))
+    diag = _new_diagnostics(B, Hq, N)
+    for b, kvh, L, base, K, V, offsets, token_ids in _heads(q, k, v, lens, index):
+        for g in range(G):
+            h = kvh * G + g
+            x = (K @ q64[b, h]) * scale
+            ids, xbar = cluster_scores(q64[b, h], index.centroids[b, kvh], index.sizes[b, kvh], scale)
+            top = np.argsort(-xbar, kind="stable")[:clusters]  # descending, ties to lower index
+            exact = np.concatenate([base, _tokens_of(ids[top], offsets, token_ids)])
+            xe = x[exact]
+            we = np.exp(xe - xe.max())  # max shift
+            out[b, h] = (we @ V[exact]) / we.sum()
+            diag["clusters_selected"][b, h] = top.size
+            diag["clusters_exact"][b, h] = top.size
+            diag["tokens_exact"][b, h] = exact.size
+            if xbar.size:
+                w = np.exp(xbar - xbar.max())
+                diag["estimated_mass"][b, h] = w[top].sum() / w.sum()
+            else:
+                diag["estimated_mass"][b, h] = 1.0
+            diag["true_mass"][b, h] = _mass(x, exact)
+            diag["k_read"][b, h, exact] = True
+            diag["v_read"][b, h, exact] = True
+    return out, _finish_diagnostics(diag, Hkv)
