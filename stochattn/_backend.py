@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["backend_of", "cuda_not_implemented"]
+__all__ = ["backend_of", "cuda_not_implemented", "require_cupy"]
 
 
 def _kind(name: str, a) -> str:
@@ -52,3 +52,14 @@ def cuda_not_implemented(function: str, what: str) -> NotImplementedError:
         f"`{function}` has no CUDA kernel yet ({what}); pass NumPy arrays to run the "
         "reference implementation on the CPU"
     )
+
+
+def require_cupy(function: str) -> None:
+    """Raise a clear ImportError when a GPU array arrives and CuPy is not installed."""
+    try:
+        import cupy  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            f"`{function}` got GPU arrays, and the CUDA backend needs CuPy: install "
+            "stochattn[cuda13] (or stochattn[cuda12])"
+        ) from e

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _validation as val
-from ._backend import backend_of, cuda_not_implemented
+from ._backend import backend_of, require_cupy
 from .diagnostics import Diagnostics
 from .reference import exact as _ref
 from .reference.common import finish, lengths
@@ -20,7 +20,10 @@ def exact_attention(q, k, v, seq_lens=None, *, softmax_scale=None, check_finite=
     Parameters
     ----------
     q : array, shape (B, Hq, D)
-        One query per sequence and query head.
+        One query per sequence and query head. NumPy (float16/32/64) runs the float64
+        reference; a CuPy array or a CUDA tensor with ``__dlpack__`` (PyTorch, JAX; float16
+        or bfloat16, D 64 or 128, Hq / Hkv <= 8) runs the split-KV CUDA kernel and the
+        result comes back in the caller's framework, on its current stream.
     k, v : array, shape (B, Hkv, N, D)
         Key and value caches; query head h reads KV head ``h // (Hq // Hkv)``.
     seq_lens : integer array, shape (B,), optional
@@ -29,7 +32,8 @@ def exact_attention(q, k, v, seq_lens=None, *, softmax_scale=None, check_finite=
     softmax_scale : float, optional
         Logit scale, default ``1 / sqrt(D)``.
     check_finite : bool
-        Check that q, k, v hold no NaN or inf (reads the data; off by default).
+        Check that q, k, v hold no NaN or inf, and on the GPU that ``seq_lens`` values lie
+        in [0, N] (reads the data and synchronises; off by default).
     return_diagnostics : bool
         Also return a :class:`~stochattn.Diagnostics`.
 
@@ -46,9 +50,10 @@ def exact_attention(q, k, v, seq_lens=None, *, softmax_scale=None, check_finite=
     >>> stochattn.exact_attention(q, k, k).shape
     (1, 4, 64)
     """
-    backend = backend_of(q=q, k=k, v=v, seq_lens=seq_lens)
-    if backend != "numpy":
-        raise cuda_not_implemented("exact_attention", "the split-KV exact decode kernel")
+    backend = backend_of(q=q, k=k, v=v)
+    if backend == "cuda":
+        return _exact_cuda(q, k, v, seq_lens, softmax_scale, check_finite, return_diagnostics)
+    backend_of(q=q, k=k, v=v, seq_lens=seq_lens)  # host seq_lens only, for the reference
     shape = val.check_attention_inputs(q, k, v, seq_lens)
     scale = val.check_scale(softmax_scale, shape.head_dim)
     if check_finite:
@@ -61,3 +66,28 @@ def exact_attention(q, k, v, seq_lens=None, *, softmax_scale=None, check_finite=
     diag = Diagnostics(seq_lens=lens, k_rows_read=rows, v_rows_read=rows.copy(),
                        true_mass=(lens[:, None] > 0) * np.ones((shape.batch, shape.q_heads)))
     return out, diag
+
+
+def _exact_cuda(q, k, v, seq_lens, softmax_scale, check_finite, return_diagnostics):
+    require_cupy("exact_attention")
+    from .cuda import exact_decode
+
+    if check_finite:
+        val.check_finite(q=q, k=k, v=v)
+    out = exact_decode(q, k, v, seq_lens, softmax_scale=softmax_scale, check_seq_lens=check_finite)
+    if not return_diagnostics:
+        return out
+    B, Hkv, N = int(k.shape[0]), int(k.shape[1]), int(k.shape[2])
+    lens = np.full(B, N, dtype=np.int64) if seq_lens is None else _host_ints(seq_lens)
+    rows = np.repeat(lens[:, None], Hkv, axis=1)
+    return out, Diagnostics(seq_lens=lens, k_rows_read=rows, v_rows_read=rows.copy(),
+                            true_mass=(lens[:, None] > 0) * np.ones((B, int(q.shape[1]))))
+
+
+def _host_ints(a) -> np.ndarray:
+    """Integer values on the host (a device copy for GPU arrays: diagnostics only)."""
+    if hasattr(a, "get"):
+        return np.asarray(a.get()).astype(np.int64)
+    if hasattr(a, "cpu"):
+        return np.asarray(a.cpu()).astype(np.int64)
+    return np.asarray(a).astype(np.int64)

@@ -264,10 +264,21 @@ def test_type_errors_are_pinned(args, kwargs, match):
 
 @pytest.mark.parametrize("make", [FakeGPUTensor, FakeCupyArray])
 def test_gpu_arrays_raise_not_implemented_naming_the_function(make):
+    from stochattn.baselines import top_p_attention
+
     with pytest.raises(NotImplementedError,
-                       match=r"`exact_attention` has no CUDA kernel yet \(the split-KV exact decode "
-                             r"kernel\); pass NumPy arrays to run the reference implementation"):
-        exact_attention(make(), make(), make())
+                       match=r"`top_p_attention` has no CUDA kernel yet \(.*\); pass NumPy arrays "
+                             r"to run the reference implementation"):
+        top_p_attention(make(), make(), make(), p=0.9)
+
+
+def test_gpu_arrays_without_cupy_name_the_extra(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
+    with pytest.raises(ImportError, match=r"`exact_attention` got GPU arrays, and the CUDA backend "
+                                          r"needs CuPy: install stochattn\[cuda13\]"):
+        exact_attention(FakeGPUTensor(), FakeGPUTensor(), FakeGPUTensor())
 
 
 # Checks that no input of exact_attention reaches (exact_attention has no such parameter,
