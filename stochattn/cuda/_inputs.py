@@ -1,0 +1,227 @@
+"""Shared front half of every CUDA entry point: classify the inputs, find (or build and
+cache) the launch plan of their configuration, and hand over the seq_lens pointer.
+
+Per call, on a plan-cache hit, the host does attribute reads only: framework, dtype, shape
+and device of q, k, v (the cache key), contiguity and 16-byte alignment of each, the data
+pointers, torch's current stream. Everything else (validation of shapes, dtypes, head dim,
+GQA group, scale, budgets; kernel lookup; occupancy; grid and chunk choice; typed scalar
+arguments) is done once per configuration and kept in the plan. Nothing on the hot path
+reads GPU data or synchronises with the device:
+
+- ``seq_lens=None`` passes a null pointer (the kernels then use N);
+- host ``seq_lens`` (NumPy, list, CPU tensor) are checked on the host, then copied to the
+  device asynchronously;
+- GPU ``seq_lens`` have their shape, dtype and device checked (attributes only); their
+  values are trusted unless the caller passes ``check_seq_lens=True`` (one device-to-host
+  copy of B integers and a synchronisation). A GPU value outside [0, N] is undefined
+  behaviour without the check (the kernels would read past the sequence).
+
+For CUDA-graph capture (torch inputs), pass ``seq_lens`` as a GPU tensor or None: a host
+array would be copied to the device inside the graph once, at capture time.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from .. import _validation as val
+from . import _sources
+from ._arrays import CUPY, TORCH, host_values, launch_stream, ops_for, to_cupy
+
+__all__ = ["GPU_KERNEL_DTYPES", "Inputs", "gather", "cached_plan", "base_plan",
+           "seq_lens_pointer", "clear_plan_cache", "plan_cache_size", "device_scope"]
+
+GPU_KERNEL_DTYPES = ("float16", "bfloat16")
+NULL = np.uint64(0)
+
+_MAX_PLANS = 512
+_plans: dict = {}
+_plans_lock = threading.Lock()
+
+
+class Inputs:
+    """One call's q, k, v (contiguous and aligned) with their framework and the cache key."""
+
+    __slots__ = ("ops", "q", "k", "v", "key")
+
+    def __init__(self, ops, q, k, v, key):
+        self.ops, self.q, self.k, self.v, self.key = ops, q, k, v, key
+
+    def pointers(self):
+        """(q, k, v) device pointers as typed kernel arguments; copies inputs that are not
+        C-contiguous or not 16-byte aligned (kept alive on ``self``)."""
+        ops = self.ops
+        self.q = ops.contiguous("q", self.q)
+        self.k = ops.contiguous("k", self.k)
+        self.v = ops.contiguous("v", self.v)
+        return np.uint64(ops.ptr(self.q)), np.uint64(ops.ptr(self.k)), np.uint64(ops.ptr(self.v))
+
+
+def gather(q, k, v) -> Inputs:
+    """Classify ``q, k, v`` and build the plan-cache key (attribute reads only)."""
+    ops, ops_k, ops_v = ops_for("q", q), ops_for("k", k), ops_for("v", v)
+    if not (ops == ops_k == ops_v) and any(o is TORCH or o is CUPY for o in (ops, ops_k, ops_v)):
+        raise TypeError("`q`, `k` and `v` must come from one framework (all PyTorch tensors or "
+                        f"all CuPy arrays), got {_tname(q)}, {_tname(k)} and {_tname(v)}")
+    if ops is not TORCH and ops is not CUPY:  # other DLPack producers: through CuPy
+        q, k, v = to_cupy("q", q), to_cupy("k", k), to_cupy("v", v)
+        ops = CUPY
+    return Inputs(ops, q, k, v, (ops.name, ops.meta(q), ops.meta(k), ops.meta(v)))
+
+
+def _tname(a) -> str:
+    return f"{type(a).__module__}.{type(a).__name__}"
+
+
+def cached_plan(key, build):
+    """The plan of ``key``, built by ``build()`` on a miss (which validates everything the
+    key fixes). An unhashable key (a bad argument type) always builds, and ``build`` raises."""
+    try:
+        plan = _plans.get(key)
+    except TypeError:
+        return build()
+    if plan is None:
+        plan = build()
+        with _plans_lock:
+            if len(_plans) >= _MAX_PLANS:
+                _plans.clear()
+            _plans[key] = plan
+    return plan
+
+
+def clear_plan_cache() -> None:
+    """Forget every cached launch plan (they are rebuilt on the next call)."""
+    with _plans_lock:
+        _plans.clear()
+
+
+def plan_cache_size() -> int:
+    return len(_plans)
+
+
+class device_scope:
+    """``with device_scope(d):`` makes GPU ``d`` current only if it is not already (entering
+    a ``cupy.cuda.Device`` context costs more than checking)."""
+
+    __slots__ = ("device", "ctx")
+
+    def __init__(self, device: int):
+        self.device, self.ctx = device, None
+
+    def __enter__(self):
+        import cupy
+
+        if cupy.cuda.runtime.getDevice() != self.device:
+            self.ctx = cupy.cuda.Device(self.device)
+            self.ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)
+            self.ctx = None
+        return False
+
+
+class _Meta:
+    """Duck-typed array for stochattn._validation: shape, ndim, dtype name."""
+
+    __slots__ = ("shape", "ndim", "dtype")
+
+    def __init__(self, shape, dtype_name):
+        self.shape = tuple(int(s) for s in shape)
+        self.ndim = len(self.shape)
+        self.dtype = dtype_name
+
+
+def base_plan(inp: Inputs, softmax_scale):
+    """Validate one configuration (on a plan-cache miss): devices, shapes, dtypes, kernel
+    limits, scale. Returns ``(shape, scale, device, dtype_name)``."""
+    ops = inp.ops
+    metas = {}
+    devices = []
+    for name, a in (("q", inp.q), ("k", inp.k), ("v", inp.v)):
+        dtype, shape, dev = ops.meta(a)
+        if dev < 0:
+            raise ops.device_error(name, a)
+        devices.append(dev)
+        metas[name] = _Meta(shape, ops.dtype_name(dtype))
+    if len(set(devices)) != 1:
+        raise ValueError(f"`q`, `k` and `v` must be on one GPU, got devices {devices[0]}, "
+                         f"{devices[1]} and {devices[2]}")
+    shape = val.check_attention_inputs(metas["q"], metas["k"], metas["v"], None,
+                                       dtypes=GPU_KERNEL_DTYPES)
+    if shape.head_dim not in _sources.HEAD_DIMS:
+        raise ValueError(f"`q` head_dim must be one of {_sources.HEAD_DIMS} on the GPU, got {shape.head_dim}")
+    if shape.group > _sources.MAX_GROUP:
+        raise ValueError(f"`q` heads per `k` head (GQA group) must be <= {_sources.MAX_GROUP} on the "
+                         f"GPU, got {shape.group}")
+    if shape.tokens >= 2**31:
+        raise ValueError(f"`k` must hold fewer than 2**31 tokens, got {shape.tokens}")
+    scale = val.check_scale(softmax_scale, shape.head_dim)
+    return shape, scale, devices[0], metas["q"].dtype
+
+
+def check_num_chunks(num_chunks):
+    return None if num_chunks is None else val.check_positive_int("num_chunks", num_chunks)
+
+
+def seq_lens_pointer(inp: Inputs, seq_lens, batch: int, tokens: int, device: int, check: bool):
+    """``(pointer, keep_alive)`` of an int32 (B,) device array of sequence lengths, enqueued
+    on the launch stream; the null pointer for ``seq_lens=None``. See the module docstring
+    for what is checked when."""
+    if seq_lens is None:
+        return NULL, None
+    ops = inp.ops
+    host = host_values("seq_lens", seq_lens)
+    if host is not None:
+        val.check_seq_lens(host, batch, tokens)  # host data: checking costs nothing
+        host32 = np.ascontiguousarray(host, dtype=np.int32)
+        if ops is TORCH:
+            import torch
+
+            # Pageable source: CUDA stages it at once, so the copy needs no host sync and
+            # the NumPy buffer may go away; ordered on torch's current stream.
+            dev = torch.from_numpy(host32).to(inp.q.device, non_blocking=True)
+        else:
+            import cupy
+
+            dev = cupy.asarray(host32)
+        return np.uint64(ops.ptr(dev)), dev
+    # On a GPU: attribute checks only, values on request.
+    if ops_for("seq_lens", seq_lens) is not ops:
+        seq_lens = to_cupy("seq_lens", seq_lens)
+        if ops is TORCH:
+            import torch
+
+            seq_lens = torch.from_dlpack(seq_lens)
+    dtype, shape, dev_id = ops.meta(seq_lens)
+    if tuple(shape) != (batch,):
+        raise ValueError(f"`seq_lens` must have shape ({batch},), got {tuple(int(s) for s in shape)}")
+    dname = ops.dtype_name(dtype)
+    if dname not in _NUMPY_INTS:
+        raise TypeError(f"`seq_lens` must have an integer dtype, got {dname}")
+    if dev_id != device:
+        raise ValueError(f"`seq_lens` must be on the GPU of `q` ({device}), got device {dev_id}")
+    if check:
+        vals = seq_lens.cpu().numpy() if ops is TORCH else seq_lens.get()
+        val.check_seq_lens(vals, batch, tokens)
+    if dname != "int32":
+        seq_lens = seq_lens.to(_torch_int32()) if ops is TORCH else seq_lens.astype(np.int32)
+    seq_lens = ops.contiguous("seq_lens", seq_lens)
+    return np.uint64(ops.ptr(seq_lens)), seq_lens
+
+
+_NUMPY_INTS = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+
+
+def _torch_int32():
+    import torch
+
+    return torch.int32
+
+
+def stream_for(inp: Inputs, device: int):
+    return launch_stream(inp.ops, device)

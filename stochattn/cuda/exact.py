@@ -1,0 +1,127 @@
+"""Exact decode attention on the GPU: split-KV ("flash decoding") CUDA kernel."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _inputs, _module, _sources
+
+__all__ = ["exact_decode"]
+
+_THREADS = 128  # decode_common.cuh: kThreads
+
+
+def _tile_rows(head_dim: int) -> int:
+    return 4096 // (2 * head_dim)  # decode_common.cuh: kStageBytes / (2 D)
+
+
+def exact_decode(q, k, v, seq_lens=None, *, softmax_scale=None, num_chunks=None,
+                 check_seq_lens=False):
+    """Exact softmax attention of one decode step, on the GPU.
+
+    Parameters
+    ----------
+    q : GPU array, shape (B, Hq, D), float16 or bfloat16
+        CuPy array, or any CUDA array with ``__dlpack__`` (PyTorch tensors included).
+    k, v : GPU array, shape (B, Hkv, N, D), dtype of ``q``
+        Key and value caches, contiguous (a non-contiguous input is copied). Query head h
+        reads KV head ``h // (Hq // Hkv)``; ``Hq // Hkv <= 8``; D is 64 or 128.
+    seq_lens : integer array, shape (B,), optional
+        Sequence b uses ``k[b, :, :seq_lens[b]]``; a length of 0 gives a zero row. Host
+        values (NumPy, list, CPU tensor) are checked on the host and copied asynchronously.
+        GPU values are trusted (no synchronisation): a value outside [0, N] is undefined
+        behaviour unless ``check_seq_lens=True``.
+    softmax_scale : float, optional
+        Logit scale, default ``1 / sqrt(D)``.
+    num_chunks : int, optional
+        Split of the token axis (for tests and tuning); default: enough chunks to fill
+        the GPU in whole waves.
+    check_seq_lens : bool
+        Check the values of GPU ``seq_lens`` against [0, N] (one device-to-host copy of B
+        integers and a synchronisation). Off by default: decode loops should not sync.
+
+    Returns
+    -------
+    out : GPU array, shape (B, Hq, D), dtype of ``q``, in the caller's framework
+        Computed in fp32 and rounded once; launched on the caller's current stream
+        (torch's for tensors, CuPy's for arrays). PyTorch inputs allocate only through
+        torch's caching allocator, so the call can be captured in a ``torch.cuda.CUDAGraph``.
+
+    Notes
+    -----
+    Everything that depends only on the configuration (framework, dtypes, shapes, device,
+    ``softmax_scale``, ``num_chunks``) is validated and resolved once and cached (see
+    :mod:`stochattn.cuda._inputs`); a repeated call does attribute reads, one or two
+    allocations and the launches.
+
+    Examples
+    --------
+    >>> import cupy as cp
+    >>> q = cp.random.standard_normal((1, 32, 128)).astype(cp.float16)
+    >>> k = cp.random.standard_normal((1, 8, 4096, 128)).astype(cp.float16)
+    >>> exact_decode(q, k, k).shape
+    (1, 32, 128)
+    """
+    inp = _inputs.gather(q, k, v)
+    key = ("exact_decode", inp.key, type(softmax_scale), softmax_scale, type(num_chunks), num_chunks)
+    plan = _inputs.cached_plan(key, lambda: _ExactPlan(inp, softmax_scale, num_chunks))
+    return plan.run(inp, seq_lens, check_seq_lens)
+
+
+class _ExactPlan:
+    """Everything one configuration of :func:`exact_decode` needs, resolved once."""
+
+    def __init__(self, inp, softmax_scale, num_chunks):
+        s, scale, self.device, dtype_name = _inputs.base_plan(inp, softmax_scale)
+        num_chunks = _inputs.check_num_chunks(num_chunks)
+        self.shape = s
+        ctype = _sources.CTYPES[dtype_name]
+        rows = _tile_rows(s.head_dim)
+        with _inputs.device_scope(self.device):
+            name = f"exact_decode_chunk<{ctype}, {s.head_dim}, {_sources.group_max(s.group)}>"
+            self.chunk = _module.launcher("exact_decode", name)
+            if num_chunks is None:
+                slots = _module.num_sms() * _module.ctas_per_sm("exact_decode", name, _THREADS)
+                chunks, chunk_len = _module.choose_chunks(s.batch * s.kv_heads, s.tokens, rows, slots)
+            else:
+                chunk_len = math.ceil(math.ceil(s.tokens / num_chunks) / rows) * rows
+                chunks = math.ceil(s.tokens / chunk_len)
+            self.merge = _module.launcher("exact_decode", f"exact_decode_merge<{ctype}>") \
+                if chunks > 1 else None
+        self.chunks, self.chunk_len = chunks, chunk_len
+        self.grid = (chunks, s.kv_heads, s.batch)
+        self.out_shape = (s.batch, s.q_heads, s.head_dim)
+        self.tail = (np.int32(s.kv_heads), np.int32(s.group), np.int64(s.tokens), np.int64(chunk_len),
+                     np.int32(chunks), np.float32(scale * math.log2(math.e)))
+        # One scratch buffer when split: partial outputs (fp32, B Hq C D), then (m, l) pairs.
+        self.ml_offset = _align(4 * s.batch * s.q_heads * chunks * s.head_dim)
+        self.scratch_bytes = self.ml_offset + 8 * s.batch * s.q_heads * chunks
+        self.merge_grid = (s.batch * s.q_heads,)
+        self.merge_tail = (np.int32(chunks), np.int32(s.head_dim))
+
+    def run(self, inp, seq_lens, check_seq_lens):
+        ops = inp.ops
+        s = self.shape
+        with _inputs.device_scope(self.device):
+            qp, kp, vp = inp.pointers()
+            lens, _keep = _inputs.seq_lens_pointer(inp, seq_lens, s.batch, s.tokens, self.device,
+                                                   check_seq_lens)
+            stream = _inputs.stream_for(inp, self.device)
+            out = ops.empty(inp.q, self.out_shape)
+            outp = np.uint64(ops.ptr(out))
+            if self.merge is None:
+                null = _inputs.NULL  # single chunk: the kernel writes `out` and no partials
+                self.chunk(self.grid, (_THREADS,), (qp, kp, vp, lens, outp, null, null) + self.tail, stream)
+            else:
+                scratch = ops.empty(inp.q, (self.scratch_bytes,), "uint8")
+                po = ops.ptr(scratch)
+                po, pml = np.uint64(po), np.uint64(po + self.ml_offset)
+                self.chunk(self.grid, (_THREADS,), (qp, kp, vp, lens, outp, po, pml) + self.tail, stream)
+                self.merge(self.merge_grid, (s.head_dim,), (po, pml, outp) + self.merge_tail, stream)
+        return out
+
+
+def _align(nbytes: int, to: int = 256) -> int:
+    return -(-nbytes // to) * to
