@@ -37,6 +37,71 @@ def test_family_compiles_for_sm90(family, backend):
     assert result.ok, f"{family} failed to compile with {backend}:\n{result.log}"
 
 
+# A non-default tiling: bigger stages, more threads, the reduce-scatter reduction (the
+# kernels' static_asserts check that it tiles both head dims).
+_OTHER_CONFIG = _sources.TileConfig(stage_bytes=16384, stages=3, threads=256, reduce="scatter")
+
+
+@pytest.mark.parametrize("backend", _BACKENDS[:1] or _backend_params())
+@pytest.mark.parametrize("family", sorted(_sources.FAMILIES))
+def test_family_compiles_with_other_tiling(family, backend):
+    names = _sources.name_expressions(family)
+    result = _sources.compile_check(_sources.source_text(family), names, backend=backend,
+                                    config=_OTHER_CONFIG)
+    assert result.ok, f"{family} with {_OTHER_CONFIG} failed with {backend}:\n{result.log}"
+
+
+@pytest.mark.parametrize("backend", _BACKENDS[:1] or _backend_params())
+def test_untileable_macros_fail(backend):
+    """The static_asserts bite: 3 rows per thread is not a power of two (6 KB stages at
+    D = 128 with 128 threads), so the macros alone, bypassing TileConfig, fail to compile."""
+    code = "#define STOCHATTN_STAGE_BYTES 6144\n" + _sources.source_text("exact_decode")
+    result = _sources.compile_check(code, ["exact_decode_chunk<stochattn::f16, 128, 4>"],
+                                    backend=backend)
+    assert not result.ok
+
+
+def test_tile_config_options_and_validation():
+    cfg = _OTHER_CONFIG
+    assert cfg.options() == ("-std=c++17", "-DSTOCHATTN_STAGE_BYTES=16384", "-DSTOCHATTN_STAGES=3",
+                             "-DSTOCHATTN_THREADS=256", "-DSTOCHATTN_REDUCE=1")
+    assert (cfg.tile_rows(128), cfg.rows_per_thread(128), cfg.tile_rows(64), cfg.rows_per_thread(64)) \
+        == (64, 4, 128, 4)
+    assert cfg.smem_bytes("exact_decode", 128, 4) == 3 * 2 * 16384
+    assert cfg.smem_bytes("santa_prop", 128, 4) == 3 * 16384
+    # the merge buffers dominate small pipelines: (2 + D) floats per warp and head
+    assert _sources.TileConfig(4096, 2, 256).smem_bytes("exact_decode", 128, 8) == 130 * 8 * 8 * 4
+    with pytest.raises(ValueError, match="reduce"):
+        _sources.TileConfig(reduce="tree")
+    with pytest.raises(ValueError, match="does not tile"):
+        _sources.TileConfig(stage_bytes=6144)
+    with pytest.raises(ValueError, match="does not tile"):
+        _sources.TileConfig(stage_bytes=2048, threads=256)  # half a row per thread at D = 128
+
+
+def test_header_defaults_match_tile_config_defaults():
+    """decode_common.cuh's fallback macros equal TileConfig's field defaults (today's tiling),
+    so a compile without options and the Python side agree."""
+    import re
+
+    text = (_sources.SOURCE_DIR / "decode_common.cuh").read_text()
+    got = {m.group(1): int(m.group(2)) for m in re.finditer(r"#define STOCHATTN_(\w+) (\d+)", text)}
+    d = _sources.TileConfig()
+    assert got == {"THREADS": d.threads, "STAGE_BYTES": d.stage_bytes, "STAGES": d.stages,
+                   "REDUCE": {"butterfly": 0, "scatter": 1}[d.reduce]}
+
+
+def test_set_config_round_trip():
+    prev = _sources.set_config(_OTHER_CONFIG)
+    try:
+        assert _sources.get_config() is _OTHER_CONFIG
+    finally:
+        _sources.set_config(prev)
+    assert _sources.get_config() is prev
+    with pytest.raises(TypeError, match="TileConfig"):
+        _sources.set_config((16384, 3, 256, "scatter"))
+
+
 @pytest.mark.parametrize("backend", _backend_params())
 def test_syntax_error_fails(backend):
     """The check is not vacuous: a broken kernel (missing semicolon) fails the same helper."""

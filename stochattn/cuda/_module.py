@@ -1,8 +1,9 @@
 """One ``cupy.RawModule`` per kernel family, compiled on first use and cached per device.
 
 ``import stochattn.cuda`` compiles nothing; the first call that needs a family compiles
-all of its template instantiations (``_sources.name_expressions``) once per device and
-process (CuPy also caches the binary on disk, keyed on the source text).
+all of its template instantiations (``_sources.name_expressions``) once per device,
+process and tiling configuration (``_sources.TileConfig``: its ``-D`` options are part of
+the cache key; CuPy also caches the binary on disk, keyed on the source text and options).
 """
 
 from __future__ import annotations
@@ -15,29 +16,39 @@ from . import _sources
 __all__ = ["get_kernel", "Launcher", "ctas_per_sm", "num_sms", "choose_chunks"]
 
 _lock = threading.Lock()
-_modules: dict = {}  # (family, device id) -> cupy.RawModule
-_occupancy: dict = {}  # (family, name, device id, threads) -> resident CTAs per SM
+_modules: dict = {}  # (family, device id, options, dtypes) -> cupy.RawModule
+_occupancy: dict = {}  # (family, name, device id, threads, options, smem) -> CTAs per SM
+_dtypes = [None]  # element types to instantiate (None: all); tuning compiles fewer
 
 
-def _module(family: str):
+def limit_dtypes(dtypes=None):
+    """Instantiate only these element types (e.g. ``("float16",)``; None: all) in modules
+    compiled from now on: a tuning run compiles a third of the kernels."""
+    _dtypes[0] = None if dtypes is None else tuple(sorted(dtypes))
+
+
+def _module(family: str, config=None):
     import cupy
 
+    config = config or _sources.get_config()
     dev = cupy.cuda.Device().id
-    key = (family, dev)
+    options = config.options()
+    key = (family, dev, options, _dtypes[0])
     mod = _modules.get(key)
     if mod is None:
+        # Built outside the lock so that different configurations compile in parallel
+        # threads (tuning); two threads racing on one key both compile, one result is kept.
+        mod = cupy.RawModule(code=_sources.source_text(family), options=options,
+                             name_expressions=_sources.name_expressions(family, _dtypes[0]))
         with _lock:
-            mod = _modules.get(key)
-            if mod is None:
-                mod = cupy.RawModule(code=_sources.source_text(family), options=("-std=c++17",),
-                                     name_expressions=_sources.name_expressions(family))
-                _modules[key] = mod
+            mod = _modules.setdefault(key, mod)
     return mod
 
 
-def get_kernel(family: str, name: str):
-    """The compiled kernel ``name`` (one of the family's name expressions) on the current device."""
-    return _module(family).get_function(name)
+def get_kernel(family: str, name: str, config=None):
+    """The compiled kernel ``name`` (one of the family's name expressions) on the current
+    device, for the tiling ``config`` (default: the active one)."""
+    return _module(family, config).get_function(name)
 
 
 class Launcher:
@@ -46,10 +57,13 @@ class Launcher:
     so no ``with stream:`` context and no per-call kernel lookup. Falls back to the public
     ``RawKernel`` call inside ``with stream:`` if this CuPy's ``Function`` call differs."""
 
-    __slots__ = ("raw", "fn")
+    __slots__ = ("raw", "fn", "smem")
 
-    def __init__(self, raw):
+    def __init__(self, raw, smem: int = 0):
         self.raw = raw
+        self.smem = int(smem)  # dynamic shared memory bytes per launch
+        if self.smem > 48 * 1024:  # opt in above the default 48 KB limit
+            raw.max_dynamic_shared_size_bytes = self.smem
         try:
             self.fn = raw.kernel  # cupy.cuda.Function for the current device
         except Exception:  # noqa: BLE001 - any API difference: use the public call
@@ -60,20 +74,21 @@ class Launcher:
         fn = self.fn
         if fn is not None:
             try:
-                fn(grid, block, args, shared_mem=0, stream=stream)
+                fn(grid, block, args, shared_mem=self.smem, stream=stream)
                 return
             except TypeError:  # signature mismatch (raised before any launch): fall back
                 self.fn = None
         if stream is None:
-            self.raw(grid, block, args)
+            self.raw(grid, block, args, shared_mem=self.smem)
         else:
             with stream:
-                self.raw(grid, block, args)
+                self.raw(grid, block, args, shared_mem=self.smem)
 
 
-def launcher(family: str, name: str) -> Launcher:
-    """A :class:`Launcher` for kernel ``name`` of ``family`` on the current device."""
-    return Launcher(get_kernel(family, name))
+def launcher(family: str, name: str, smem: int = 0, config=None) -> Launcher:
+    """A :class:`Launcher` for kernel ``name`` of ``family`` on the current device, with
+    ``smem`` bytes of dynamic shared memory."""
+    return Launcher(get_kernel(family, name, config), smem)
 
 
 def num_sms() -> int:
@@ -82,18 +97,20 @@ def num_sms() -> int:
     return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
 
 
-def ctas_per_sm(family: str, name: str, threads: int) -> int:
-    """Resident CTAs per SM of a kernel, from its registers and static shared memory
-    (sm_90 limits: 64K registers, 228 KB shared memory with 1 KB reserved per CTA, 64 warps)."""
+def ctas_per_sm(family: str, name: str, threads: int, dyn_smem: int = 0, config=None) -> int:
+    """Resident CTAs per SM of a kernel, from its registers and static plus ``dyn_smem``
+    dynamic shared memory (sm_90 limits: 64K registers, 228 KB shared memory with 1 KB
+    reserved per CTA, 64 warps)."""
     import cupy
 
+    config = config or _sources.get_config()
     dev = cupy.cuda.Device().id
-    key = (family, name, dev, threads)
+    key = (family, name, dev, threads, config.options(), _dtypes[0], dyn_smem)
     if key not in _occupancy:
-        k = get_kernel(family, name)
+        k = get_kernel(family, name, config)
         try:
             regs = max(1, int(k.num_regs))
-            smem = int(k.shared_size_bytes)
+            smem = int(k.shared_size_bytes) + int(dyn_smem)
             per_warp_regs = math.ceil(regs * 32 / 256) * 256  # allocation granularity
             by_regs = 65536 // (per_warp_regs * (threads // 32))
             by_smem = (233472 // (smem + 1024)) if smem else 32

@@ -24,6 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
+    "TileConfig",
+    "DEFAULT_CONFIG",
+    "get_config",
+    "set_config",
     "CompileResult",
     "FAMILIES",
     "HEAD_DIMS",
@@ -48,8 +52,97 @@ HEAD_DIMS = (64, 128)
 GROUP_MAXES = (4, 8)
 MAX_GROUP = max(GROUP_MAXES)
 
-_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Compile-time tiling of the streaming kernels (exact decode, S²ANTA-prop pass 1):
+    the one place of truth for the ``STOCHATTN_*`` macros of ``decode_common.cuh`` and the
+    host-side quantities derived from them (tile rows, threads, shared memory).
+
+    ``stage_bytes``: bytes of K (and as much of V) per cp.async stage; ``stages``: pipeline
+    depth; ``threads``: threads per CTA; ``reduce``: "butterfly" (all-reduce every partial
+    dot product) or "scatter" (reduce-scatter, then one broadcast per logit).
+    """
+
+    stage_bytes: int = 4096
+    stages: int = 4
+    threads: int = 128
+    reduce: str = "butterfly"
+
+    def __post_init__(self):
+        if self.reduce not in _REDUCE_CODES:
+            raise ValueError(f"`reduce` must be one of {tuple(_REDUCE_CODES)}, got {self.reduce!r}")
+        if self.threads not in (64, 128, 256, 512) or not 2 <= self.stages <= 8:
+            raise ValueError(f"unsupported threads/stages: {self}")
+        for d in HEAD_DIMS:  # every head dim must tile: a power of two of rows per thread
+            rpt = self.rows_per_thread(d)
+            if rpt < 1 or rpt & (rpt - 1) or self.tile_rows(d) * 2 * d != self.stage_bytes \
+                    or self.tile_rows(d) > 256:
+                raise ValueError(f"stage_bytes {self.stage_bytes} does not tile head_dim {d} with "
+                                 f"{self.threads} threads")
+
+    def options(self) -> tuple:
+        """NVRTC / nvcc options: the language standard and the tiling macros."""
+        return _OPTIONS + (f"-DSTOCHATTN_STAGE_BYTES={self.stage_bytes}",
+                           f"-DSTOCHATTN_STAGES={self.stages}",
+                           f"-DSTOCHATTN_THREADS={self.threads}",
+                           f"-DSTOCHATTN_REDUCE={_REDUCE_CODES[self.reduce]}")
+
+    def tile_rows(self, head_dim: int) -> int:
+        """Rows per pipeline stage (decode_common.cuh: Tiling::kTileRows)."""
+        return self.stage_bytes // (2 * head_dim)
+
+    def rows_per_thread(self, head_dim: int) -> int:
+        return self.tile_rows(head_dim) // (self.threads // (head_dim // 8))
+
+    def smem_bytes(self, family: str, head_dim: int, gmax: int) -> int:
+        """Dynamic shared memory of the family's streaming kernel (static arrays excluded)."""
+        if family == "exact_decode":  # K+V stages, reused by the cross-warp merge
+            merge = (2 + head_dim) * (self.threads // 32) * gmax * 4
+            return max(self.stages * 2 * self.stage_bytes, merge)
+        if family == "santa_prop":  # K stages (the logit buffer is static)
+            return self.stages * self.stage_bytes
+        raise KeyError(family)
+
+    def label(self) -> str:
+        return f"{self.stage_bytes // 1024}K x{self.stages} t{self.threads} {self.reduce}"
+
+
+_REDUCE_CODES = {"butterfly": 0, "scatter": 1}
 _OPTIONS = ("-std=c++17",)
+
+# The configuration the wrappers use. To change the default, edit this line (tests and
+# benchmarks follow); STOCHATTN_TILE_CONFIG="stage_bytes,stages,threads,reduce" in the
+# environment overrides it for one process (e.g. "16384,3,256,scatter").
+DEFAULT_CONFIG = TileConfig(stage_bytes=8192, stages=3, threads=128, reduce="scatter")
+
+
+def _config_from_env() -> TileConfig:
+    text = os.environ.get("STOCHATTN_TILE_CONFIG", "").strip()
+    if not text:
+        return DEFAULT_CONFIG
+    sb, st, th, red = (x.strip() for x in text.split(","))
+    return TileConfig(int(sb), int(st), int(th), red)
+
+
+_active = [_config_from_env()]
+
+
+def get_config() -> TileConfig:
+    """The tiling the wrappers compile and launch now (part of every plan-cache key)."""
+    return _active[0]
+
+
+def set_config(config: TileConfig) -> TileConfig:
+    """Use ``config`` for the kernels launched from now on (tuning); returns the previous one."""
+    if not isinstance(config, TileConfig):
+        raise TypeError(f"`config` must be a TileConfig, got {type(config).__name__}")
+    prev, _active[0] = _active[0], config
+    return prev
+
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 
 
 def group_max(group: int) -> int:
@@ -83,10 +176,13 @@ def source_text(family: str) -> str:
     return _expand(SOURCE_DIR / FAMILIES[family], set())
 
 
-def name_expressions(family: str) -> list:
-    """Every template instantiation the Python wrappers may launch, as NVRTC name expressions."""
+def name_expressions(family: str, dtypes=None) -> list:
+    """Every template instantiation the Python wrappers may launch, as NVRTC name expressions
+    (``dtypes``: restrict to these element type names, e.g. ``("float16",)`` for tuning)."""
     names = []
-    for ctype in CTYPES.values():
+    for dname, ctype in CTYPES.items():
+        if dtypes is not None and dname not in dtypes:
+            continue
         if family == "exact_decode":
             for d in HEAD_DIMS:
                 for gm in GROUP_MAXES:
@@ -142,18 +238,18 @@ def _with_instantiations(code: str, names) -> str:
     return code + ("\n\nvoid* stochattn_instantiations[] = {\n  " + refs + "\n};\n" if names else "\n")
 
 
-def _compile_nvcc(code: str, names, arch: str) -> CompileResult:
+def _compile_nvcc(code: str, names, arch: str, options=_OPTIONS) -> CompileResult:
     nvcc = _nvcc()
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "check.cu")
         with open(src, "w") as f:
             f.write(_with_instantiations(code, names))
-        cmd = [nvcc, f"-arch={arch}", *_OPTIONS, "-c", src, "-o", os.path.join(tmp, "check.o")]
+        cmd = [nvcc, f"-arch={arch}", *options, "-c", src, "-o", os.path.join(tmp, "check.o")]
         proc = subprocess.run(cmd, capture_output=True, text=True)
     return CompileResult(proc.returncode == 0, proc.stdout + proc.stderr, "nvcc")
 
 
-def _compile_nvrtc(code: str, names, arch: str) -> CompileResult:
+def _compile_nvrtc(code: str, names, arch: str, options=_OPTIONS) -> CompileResult:
     lib = ctypes.CDLL(_nvrtc_library())
     prog = ctypes.c_void_p()
 
@@ -167,7 +263,7 @@ def _compile_nvrtc(code: str, names, arch: str) -> CompileResult:
     try:
         for n in names:
             check(lib.nvrtcAddNameExpression(prog, n.encode()), "nvrtcAddNameExpression")
-        opts = [f"--gpu-architecture={arch}".encode(), *(o.encode() for o in _OPTIONS)]
+        opts = [f"--gpu-architecture={arch}".encode(), *(o.encode() for o in options)]
         arr = (ctypes.c_char_p * len(opts))(*opts)
         status = lib.nvrtcCompileProgram(prog, len(opts), arr)
         size = ctypes.c_size_t()
@@ -188,8 +284,10 @@ def _compile_nvrtc(code: str, names, arch: str) -> CompileResult:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-def compile_check(code: str, names=(), *, backend: str | None = None, arch: str = "sm_90") -> CompileResult:
-    """Compile ``code`` with the template instantiations ``names`` for ``arch``.
+def compile_check(code: str, names=(), *, backend: str | None = None, arch: str = "sm_90",
+                  config: TileConfig | None = None) -> CompileResult:
+    """Compile ``code`` with the template instantiations ``names`` for ``arch``, with the
+    tiling macros of ``config`` (default: the active configuration).
 
     ``backend``: "nvcc", "nvrtc" or None (nvcc when on PATH, else NVRTC from the
     ``nvidia-cuda-nvrtc`` wheel). Raises ``RuntimeError`` when the backend is missing.
@@ -199,6 +297,7 @@ def compile_check(code: str, names=(), *, backend: str | None = None, arch: str 
         backend = "nvcc" if found["nvcc"] else "nvrtc" if found["nvrtc"] else None
     if backend is None or not found.get(backend):
         raise RuntimeError(f"no CUDA compiler: nvcc not on PATH and no libnvrtc found ({found})")
+    options = (config or get_config()).options()
     if backend == "nvcc":
-        return _compile_nvcc(code, list(names), arch)
-    return _compile_nvrtc(code, list(names), arch)
+        return _compile_nvcc(code, list(names), arch, options)
+    return _compile_nvrtc(code, list(names), arch, options)

@@ -88,47 +88,82 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // ---- tiling of one KV stream ---------------------------------------------------------
-// A CTA has kThreads threads. Each thread owns 8 consecutive features (16 bytes) of a
-// row: D/8 lanes per row ("a row group"), kThreads / (D/8) row groups per CTA. A pipeline
-// stage holds kStageBytes of K (and as much of V for exact decode): kStageBytes / (2 D)
-// rows, i.e. 16 rows at D = 128 and 32 at D = 64, two rows per thread.
-constexpr int kThreads = 128;
+// The tiling is set at compile time by macros (-D options; _sources.TileConfig is the one
+// place of truth on the Python side, and the module cache is keyed on the options):
+//   STOCHATTN_THREADS      threads per CTA of the streaming kernels (128 or 256)
+//   STOCHATTN_STAGE_BYTES  bytes of K (and as much of V) per pipeline stage
+//   STOCHATTN_STAGES       cp.async pipeline depth (>= 2)
+//   STOCHATTN_REDUCE       0: every (row, head) partial dot product is all-reduced over the
+//                          row group by a butterfly (log2(LPR) shuffles each);
+//                          1: reduce-scatter (each step exchanges half of the remaining
+//                          values) then one broadcast shuffle per logit from its owner lane.
+// A CTA has kThreads threads. Each thread owns 8 consecutive features (16 bytes) of a row:
+// D/8 lanes per row ("a row group"), kThreads / (D/8) row groups per CTA. A pipeline stage
+// holds kStageBytes of K (and as much of V for exact decode): kStageBytes / (2 D) rows,
+// kRowsPerThread per thread. Thread t copies exactly the 16-byte pieces it later reads
+// (row group rg, lane lr: rows rg + p * kRowGroups, bytes [16 lr, 16 lr + 16)), so its own
+// cp.async.wait_group suffices and the streaming loop has no CTA barrier.
+#ifndef STOCHATTN_THREADS
+#define STOCHATTN_THREADS 128
+#endif
+#ifndef STOCHATTN_STAGE_BYTES
+#define STOCHATTN_STAGE_BYTES 4096
+#endif
+#ifndef STOCHATTN_STAGES
+#define STOCHATTN_STAGES 4
+#endif
+#ifndef STOCHATTN_REDUCE
+#define STOCHATTN_REDUCE 0
+#endif
+
+constexpr int kThreads = STOCHATTN_THREADS;
 constexpr int kWarps = kThreads / 32;
-constexpr int kStageBytes = 4096;
-constexpr int kStages = 4;
+constexpr int kStageBytes = STOCHATTN_STAGE_BYTES;
+constexpr int kStages = STOCHATTN_STAGES;
+constexpr int kReduce = STOCHATTN_REDUCE;
+static_assert(kThreads % 32 == 0 && kThreads >= 64 && kThreads <= 1024, "STOCHATTN_THREADS");
+static_assert(kStages >= 2 && kStages <= 8, "STOCHATTN_STAGES must be in [2, 8]");
+static_assert(kReduce == 0 || kReduce == 1, "STOCHATTN_REDUCE must be 0 or 1");
 
 template <int D>
 struct Tiling {
   static_assert(D == 64 || D == 128, "head_dim must be 64 or 128");
   static constexpr int kLanesPerRow = D / 8;                        // 8 or 16
-  static constexpr int kRowGroups = kThreads / kLanesPerRow;         // 16 or 8
-  static constexpr int kTileRows = kStageBytes / (D * 2);            // 32 or 16
-  static constexpr int kRowsPerThread = kTileRows / kRowGroups;      // 2
-  static constexpr int kChunksPerTile = kStageBytes / 16;            // 256 16-byte pieces
-  static constexpr int kChunksPerThread = kChunksPerTile / kThreads; // 2
-  static constexpr int kGroupsPerWarp = 32 / kLanesPerRow;           // 2 or 4
-  static_assert(kRowsPerThread * kRowGroups == kTileRows, "tile rows");
-  static_assert(kChunksPerThread * kThreads == kChunksPerTile, "tile chunks");
+  static constexpr int kRowGroups = kThreads / kLanesPerRow;
+  static constexpr int kTileRows = kStageBytes / (D * 2);
+  static constexpr int kRowsPerThread = kTileRows / kRowGroups;
+  static_assert(kRowsPerThread >= 1 && kRowsPerThread * kRowGroups == kTileRows,
+                "a stage must hold a whole number of rows per thread");
+  static_assert((kRowsPerThread & (kRowsPerThread - 1)) == 0, "rows per thread: a power of two");
 };
 
-// Issue the cp.async copies of rows [row0, row0 + kTileRows) of one (b, kv head) stream
-// into a stage buffer; rows at or past `end` are zero-filled.
+// Issue the cp.async copies of this thread's pieces of rows [row0, row0 + kTileRows) of
+// one (b, kv head) stream into a stage buffer; rows at or past `end` are zero-filled.
+// Thread (rg, lr) copies rows row0 + rg + p * kRowGroups, bytes [16 lr, 16 lr + 16): the
+// very pieces it reads in the compute step (see above).
 template <int D>
 __device__ __forceinline__ void load_tile_async(unsigned char* stage, const unsigned char* base,
                                                 long long row0, long long end) {
   using Tl = Tiling<D>;
   constexpr int kRowBytes = D * 2;
+  const int lr = threadIdx.x % Tl::kLanesPerRow, rg = threadIdx.x / Tl::kLanesPerRow;
+  const long long first = row0 + rg;
+  const unsigned char* src0 = base + first * kRowBytes + lr * 16;
+  unsigned char* dst0 = stage + rg * kRowBytes + lr * 16;
 #pragma unroll
-  for (int i = 0; i < Tl::kChunksPerThread; ++i) {
-    const int piece = threadIdx.x + i * kThreads;  // consecutive threads: consecutive bytes
-    const int r = piece / (kRowBytes / 16);
-    const int c = piece % (kRowBytes / 16);
-    const long long row = row0 + r;
-    const bool valid = row < end;
+  for (int p = 0; p < Tl::kRowsPerThread; ++p) {
+    const bool valid = first + p * Tl::kRowGroups < end;
     // A zero-filled copy still needs a legal address: point it at the stream's first row.
-    const unsigned char* src = base + (valid ? row * kRowBytes + c * 16 : 0);
-    cp_async16(stage + piece * 16, src, valid);
+    const unsigned char* src = valid ? src0 + (long long)p * Tl::kRowGroups * kRowBytes : base;
+    cp_async16(dst0 + p * Tl::kRowGroups * kRowBytes, src, valid);
   }
+}
+
+// The stage buffers live in dynamic shared memory (sizes above 48 KB need the opt-in the
+// launcher does); the byte count is computed on the host (_sources.TileConfig.smem_bytes).
+__device__ __forceinline__ unsigned char* dynamic_smem() {
+  extern __shared__ __align__(16) unsigned char stochattn_dyn_smem[];
+  return stochattn_dyn_smem;
 }
 
 // Sum over the kLanesPerRow lanes of a row group (butterfly: every lane gets the sum).
@@ -137,6 +172,69 @@ __device__ __forceinline__ float row_group_sum(float x) {
 #pragma unroll
   for (int off = LANES / 2; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
   return x;
+}
+
+}  // namespace stochattn
+
+namespace stochattn {
+
+// Reduce-scatter of N partial sums over the LANES lanes of a row group (xor offsets
+// LANES/2 ... 1). At each step a lane keeps the half of its remaining values selected by
+// its offset bit and adds the partner's copy of that half: N/2 + N/4 + ... shuffles
+// instead of N log2(LANES). Once one value is left the remaining steps all-reduce it.
+// Afterwards a lane holds per = max(N / LANES, 1) sums v[0..per): value j (of the original
+// N) sits on the lanes lr with lr / span == j / per (span = max(LANES / N, 1)), slot
+// j % per. `Scatter<LANES, O, C>` handles offset O with C values remaining.
+template <int O, int C>
+struct Scatter {
+  template <int N>
+  static __device__ __forceinline__ void run(float (&v)[N], int lr) {
+    if constexpr (O >= 1) {
+      if constexpr (C > 1) {
+        const bool up = (lr & O) != 0;
+#pragma unroll
+        for (int i = 0; i < C / 2; ++i) {
+          const float send = up ? v[i] : v[i + C / 2];
+          const float keep = up ? v[i + C / 2] : v[i];
+          v[i] = keep + __shfl_xor_sync(0xffffffffu, send, O);
+        }
+        Scatter<O / 2, C / 2>::run(v, lr);
+      } else {
+        v[0] += __shfl_xor_sync(0xffffffffu, v[0], O);
+        Scatter<O / 2, 1>::run(v, lr);
+      }
+    }
+  }
+};
+
+template <int LANES, int N>
+struct ScatterLayout {
+  static_assert((N & (N - 1)) == 0 && N >= 1, "a power of two of values");
+  static constexpr int kPer = N >= LANES ? N / LANES : 1;   // sums held per lane
+  static constexpr int kSpan = N >= LANES ? 1 : LANES / N;  // lanes holding the same sums
+  // Original index of slot i on lane lr.
+  static __device__ __forceinline__ int index(int i, int lr) { return i + kPer * (lr / kSpan); }
+};
+
+// Row-group reduction of N partial dot products: x[j] becomes the row-group sum on every
+// lane, by STOCHATTN_REDUCE's method.
+template <int LANES, int N>
+__device__ __forceinline__ void row_group_sums(float (&x)[N], int lr) {
+  if constexpr (kReduce == 0) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) x[j] = row_group_sum<LANES>(x[j]);
+  } else {
+    using L = ScatterLayout<LANES, N>;
+    float v[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) v[j] = x[j];
+    Scatter<LANES / 2, N>::run(v, lr);
+    // Broadcast: value j from the first lane of its owners, slot j % per (the same
+    // register on every lane, so one shuffle per value).
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+      x[j] = __shfl_sync(0xffffffffu, v[j % L::kPer], (j / L::kPer) * L::kSpan, LANES);
+  }
 }
 
 }  // namespace stochattn

@@ -10,11 +10,10 @@ from . import _inputs, _module, _sources
 
 __all__ = ["exact_decode"]
 
-_THREADS = 128  # decode_common.cuh: kThreads
 
-
-def _tile_rows(head_dim: int) -> int:
-    return 4096 // (2 * head_dim)  # decode_common.cuh: kStageBytes / (2 D)
+def _tile_rows(head_dim: int, config=None) -> int:
+    """Rows per pipeline stage of the active tiling (decode_common.cuh: kStageBytes / (2 D))."""
+    return (config or _sources.get_config()).tile_rows(head_dim)
 
 
 def exact_decode(q, k, v, seq_lens=None, *, softmax_scale=None, num_chunks=None,
@@ -65,30 +64,36 @@ def exact_decode(q, k, v, seq_lens=None, *, softmax_scale=None, num_chunks=None,
     (1, 32, 128)
     """
     inp = _inputs.gather(q, k, v)
-    key = ("exact_decode", inp.key, type(softmax_scale), softmax_scale, type(num_chunks), num_chunks)
-    plan = _inputs.cached_plan(key, lambda: _ExactPlan(inp, softmax_scale, num_chunks))
+    config = _sources.get_config()
+    key = ("exact_decode", inp.key, type(softmax_scale), softmax_scale, type(num_chunks), num_chunks,
+           config)
+    plan = _inputs.cached_plan(key, lambda: _ExactPlan(inp, softmax_scale, num_chunks, config))
     return plan.run(inp, seq_lens, check_seq_lens)
 
 
 class _ExactPlan:
     """Everything one configuration of :func:`exact_decode` needs, resolved once."""
 
-    def __init__(self, inp, softmax_scale, num_chunks):
+    def __init__(self, inp, softmax_scale, num_chunks, config):
         s, scale, self.device, dtype_name = _inputs.base_plan(inp, softmax_scale)
         num_chunks = _inputs.check_num_chunks(num_chunks)
         self.shape = s
         ctype = _sources.CTYPES[dtype_name]
-        rows = _tile_rows(s.head_dim)
+        rows = _tile_rows(s.head_dim, config)
+        self.threads = config.threads
+        gm = _sources.group_max(s.group)
+        smem = config.smem_bytes("exact_decode", s.head_dim, gm)
         with _inputs.device_scope(self.device):
-            name = f"exact_decode_chunk<{ctype}, {s.head_dim}, {_sources.group_max(s.group)}>"
-            self.chunk = _module.launcher("exact_decode", name)
+            name = f"exact_decode_chunk<{ctype}, {s.head_dim}, {gm}>"
+            self.chunk = _module.launcher("exact_decode", name, smem, config)
             if num_chunks is None:
-                slots = _module.num_sms() * _module.ctas_per_sm("exact_decode", name, _THREADS)
+                slots = _module.num_sms() * _module.ctas_per_sm("exact_decode", name, config.threads,
+                                                                 smem, config)
                 chunks, chunk_len = _module.choose_chunks(s.batch * s.kv_heads, s.tokens, rows, slots)
             else:
                 chunk_len = math.ceil(math.ceil(s.tokens / num_chunks) / rows) * rows
                 chunks = math.ceil(s.tokens / chunk_len)
-            self.merge = _module.launcher("exact_decode", f"exact_decode_merge<{ctype}>") \
+            self.merge = _module.launcher("exact_decode", f"exact_decode_merge<{ctype}>", 0, config) \
                 if chunks > 1 else None
         self.chunks, self.chunk_len = chunks, chunk_len
         self.grid = (chunks, s.kv_heads, s.batch)
@@ -113,12 +118,12 @@ class _ExactPlan:
             outp = np.uint64(ops.ptr(out))
             if self.merge is None:
                 null = _inputs.NULL  # single chunk: the kernel writes `out` and no partials
-                self.chunk(self.grid, (_THREADS,), (qp, kp, vp, lens, outp, null, null) + self.tail, stream)
+                self.chunk(self.grid, (self.threads,), (qp, kp, vp, lens, outp, null, null) + self.tail, stream)
             else:
                 scratch = ops.empty(inp.q, (self.scratch_bytes,), "uint8")
                 po = ops.ptr(scratch)
                 po, pml = np.uint64(po), np.uint64(po + self.ml_offset)
-                self.chunk(self.grid, (_THREADS,), (qp, kp, vp, lens, outp, po, pml) + self.tail, stream)
+                self.chunk(self.grid, (self.threads,), (qp, kp, vp, lens, outp, po, pml) + self.tail, stream)
                 self.merge(self.merge_grid, (s.head_dim,), (po, pml, outp) + self.merge_tail, stream)
         return out
 

@@ -2,8 +2,10 @@
 //
 // Grid (num_chunks, Hkv, B); one CTA per (sequence b, KV head, chunk of tokens) computes
 // all G query heads of the GQA group, so every K and V row is read from HBM once per
-// group. K and V rows stream through a kStages-deep cp.async pipeline of 4 KB tiles
-// (16-byte copies, zero-filled past the sequence). Logits, softmax and the weighted V sum
+// group. K and V rows stream through a kStages-deep cp.async pipeline of kStageBytes
+// tiles (16-byte copies, zero-filled past the sequence; decode_common.cuh: the tiling
+// macros). Each thread copies the pieces it reads, so the loop needs no CTA barrier. The
+// online-softmax max shift is updated once per stage (over this thread's rows of it). Logits, softmax and the weighted V sum
 // are fp32, in the log2 domain (q is pre-scaled by scale * log2(e), so exp2f replaces
 // expf). With one chunk the CTA writes the output; otherwise it writes its normalised
 // partial output and (max, sum) and exact_decode_merge combines the chunks.
@@ -25,6 +27,7 @@ exact_decode_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __
   constexpr int LPR = Tl::kLanesPerRow;
   constexpr int RPT = Tl::kRowsPerThread;
   constexpr int ROWS = Tl::kTileRows;
+  constexpr int RG = Tl::kRowGroups;
 
   const int chunk = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int Hq = Hkv * G;
@@ -38,8 +41,9 @@ exact_decode_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __
   const long long end = min(start + chunk_len, len);
   const long long head0 = (long long)b * Hq + (long long)kvh * G;  // first query head row
 
-  // Pipeline stages (K then V per stage); reused for the cross-warp merge at the end.
-  __shared__ __align__(16) unsigned char smem[kStages * 2 * kStageBytes];
+  // Pipeline stages (K then V per stage), dynamic shared memory of
+  // max(kStages * 2 * kStageBytes, merge buffers) bytes; reused for the cross-warp merge.
+  unsigned char* smem = dynamic_smem();
 
   if (start >= end) {  // nothing in this chunk (past seq_lens[b], or an empty sequence)
     for (int i = tid; i < G * D; i += kThreads) {
@@ -100,67 +104,85 @@ exact_decode_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __
     for (int e = 0; e < 8; ++e) acc[g][e] = 0.f;
   }
 
+  int rd = 0, wr = kStages - 1;  // stage buffers read and refilled this iteration
   for (long long it = 0; it < ntiles; ++it) {
-    cp_async_wait<kStages - 2>();  // tile `it` has landed (this thread's copies) ...
-    __syncthreads();               // ... everyone's, and tile it-1's buffer is free
+    // Tile `it` has landed: this thread's own copies are all it reads (no CTA barrier).
+    // The buffer refilled next held tile it-1, which this thread finished reading (its
+    // values were consumed in the previous iteration).
+    cp_async_wait<kStages - 2>();
     {
       const long long nx = it + kStages - 1;
       if (nx < ntiles) {
-        unsigned char* st = smem + (int)(nx % kStages) * 2 * kStageBytes;
+        unsigned char* st = smem + wr * 2 * kStageBytes;
         load_tile_async<D>(st, kbase, start + nx * ROWS, end);
         load_tile_async<D>(st + kStageBytes, vbase, start + nx * ROWS, end);
       }
       cp_async_commit();
     }
-    const unsigned char* sk = smem + (int)(it % kStages) * 2 * kStageBytes;
+    const unsigned char* sk = smem + rd * 2 * kStageBytes;
+    rd = rd + 1 == kStages ? 0 : rd + 1;
+    wr = wr + 1 == kStages ? 0 : wr + 1;
     const unsigned char* sv = sk + kStageBytes;
     const long long row0 = start + it * ROWS;
 
-    float x[RPT][GMAX];
-    float vf[RPT][8];
+    // Partial dot products of this thread's 8 features, x[p * GMAX + g], then the
+    // row-group sums (decode_common.cuh: row_group_sums).
+    float x[RPT * GMAX];
 #pragma unroll
     for (int p = 0; p < RPT; ++p) {
-      const int r = rg + p * Tl::kRowGroups;
+      const int r = rg + p * RG;
       float kf[8];
       unpack8<T>(*reinterpret_cast<const uint4*>(sk + r * (D * 2) + lr * 16), kf);
-      const bool valid = row0 + r < end;
 #pragma unroll
       for (int g = 0; g < GMAX; ++g) {
-        if (g < G) {  // G is uniform over the CTA: the shuffles stay convergent
-          float s = 0.f;
+        float s = 0.f;
+        if (g < G) {  // G is uniform over the CTA
 #pragma unroll
           for (int e = 0; e < 8; ++e) s = fmaf(qf[g][e], kf[e], s);
-          s = row_group_sum<LPR>(s);
-          x[p][g] = valid ? s : STOCHATTN_NEG_INF;
-        } else {
-          x[p][g] = STOCHATTN_NEG_INF;
         }
+        x[p * GMAX + g] = s;
       }
-      unpack8<T>(*reinterpret_cast<const uint4*>(sv + r * (D * 2) + lr * 16), vf[p]);
     }
+    row_group_sums<LPR>(x, lr);
 
+    // Online softmax, one max shift per head per stage. Masked rows (past `end`) get
+    // weight 0; until a head has seen a valid row its max stays -inf and the shift is
+    // taken as 0 so no inf - inf arises (exp2(-inf) = 0 then).
 #pragma unroll
     for (int g = 0; g < GMAX; ++g) {
       if (g < G) {
-        float xm = x[0][g];
+        float xm = STOCHATTN_NEG_INF;
 #pragma unroll
-        for (int p = 1; p < RPT; ++p) xm = fmaxf(xm, x[p][g]);
+        for (int p = 0; p < RPT; ++p) {
+          const bool valid = row0 + rg + p * RG < end;
+          x[p * GMAX + g] = valid ? x[p * GMAX + g] : STOCHATTN_NEG_INF;
+          xm = fmaxf(xm, x[p * GMAX + g]);
+        }
         const float mn = fmaxf(m[g], xm);
-        if (mn != STOCHATTN_NEG_INF) {  // else: no valid row seen yet, nothing to add
-          // Max shift (flash attention): rescale the running sums to the new max; the
-          // first time m[g] = -inf and exp2f(-inf) = 0.
-          const float corr = exp2f(m[g] - mn);
-          l[g] *= corr;
+        const float shift = mn == STOCHATTN_NEG_INF ? 0.f : mn;
+        // Max shift (flash attention): rescale the running sums to the new max.
+        const float corr = exp2f(m[g] - shift);
+        l[g] *= corr;
 #pragma unroll
-          for (int e = 0; e < 8; ++e) acc[g][e] *= corr;
+        for (int e = 0; e < 8; ++e) acc[g][e] *= corr;
 #pragma unroll
-          for (int p = 0; p < RPT; ++p) {
-            const float w = exp2f(x[p][g] - mn);  // 0 for masked rows
-            l[g] += w;
+        for (int p = 0; p < RPT; ++p) {
+          const float w = exp2f(x[p * GMAX + g] - shift);  // 0 for masked rows
+          x[p * GMAX + g] = w;
+          l[g] += w;
+        }
+        m[g] = mn;
+      }
+    }
 #pragma unroll
-            for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(w, vf[p][e], acc[g][e]);
-          }
-          m[g] = mn;
+    for (int p = 0; p < RPT; ++p) {
+      float vf[8];
+      unpack8<T>(*reinterpret_cast<const uint4*>(sv + (rg + p * RG) * (D * 2) + lr * 16), vf);
+#pragma unroll
+      for (int g = 0; g < GMAX; ++g) {
+        if (g < G) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(x[p * GMAX + g], vf[e], acc[g][e]);
         }
       }
     }
@@ -194,8 +216,8 @@ exact_decode_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __
   float* sm_m = reinterpret_cast<float*>(smem);   // [kWarps][GMAX]
   float* sm_l = sm_m + kWarps * GMAX;             // [kWarps][GMAX]
   float* sm_acc = sm_l + kWarps * GMAX;           // [kWarps][GMAX][D]
-  static_assert((2 * kWarps * GMAX + kWarps * GMAX * D) * 4 <= kStages * 2 * kStageBytes,
-                "merge buffers must fit in the pipeline buffers");
+  // Merge buffers: (2 + D) * kWarps * GMAX floats; the host sizes the dynamic shared
+  // memory as the larger of this and the pipeline (_sources.TileConfig.smem_bytes).
   if (lane < LPR) {  // row group 0 of each warp now holds the warp's merged state
 #pragma unroll
     for (int g = 0; g < GMAX; ++g) {

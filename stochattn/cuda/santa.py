@@ -13,7 +13,6 @@ from ._sources import group_max
 
 __all__ = ["santa_prop", "TILE_SIZES"]
 
-_THREADS = 128  # pass 1 (decode_common.cuh: kThreads)
 _SAMPLE_THREADS = 256  # pass 2 (santa_prop.cu: kSampleThreads)
 _SAMPLER_CODE = {"systematic": 0, "stratified": 1, "iid": 2}  # philox.cuh: Sampler
 TILE_SIZES = (32, 64, 128, 256)
@@ -70,17 +69,19 @@ def santa_prop(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_siz
     """
     seed, offset = val.check_seed_offset(seed, offset)
     inp = _inputs.gather(q, k, v)
+    config = _sources.get_config()  # pass 1 tiling
     key = ("santa_prop", inp.key, type(budget), budget, sampler, type(tile_size), tile_size,
-           type(softmax_scale), softmax_scale, type(num_chunks), num_chunks, bool(return_indices))
+           type(softmax_scale), softmax_scale, type(num_chunks), num_chunks, bool(return_indices),
+           config)
     plan = _inputs.cached_plan(
-        key, lambda: _PropPlan(inp, budget, sampler, tile_size, softmax_scale, num_chunks))
+        key, lambda: _PropPlan(inp, budget, sampler, tile_size, softmax_scale, num_chunks, config))
     return plan.run(inp, seq_lens, check_seq_lens, seed, offset, bool(return_indices))
 
 
 class _PropPlan:
     """Everything one configuration of :func:`santa_prop` needs, resolved once."""
 
-    def __init__(self, inp, budget, sampler, tile_size, softmax_scale, num_chunks):
+    def __init__(self, inp, budget, sampler, tile_size, softmax_scale, num_chunks, config):
         S = val.check_budget("budget", budget)
         val.check_choice("sampler", sampler, SAMPLERS)
         if not isinstance(tile_size, (int, np.integer)) or isinstance(tile_size, bool):
@@ -98,17 +99,23 @@ class _PropPlan:
         n_tiles = math.ceil(s.tokens / ts)
         n_pad = n_tiles * ts
         rows = s.batch * s.q_heads
-        align = max(ts, 4096 // (2 * s.head_dim))
+        # chunk_len: a multiple of the logit buffer (a sampling tile or a load tile)
+        align = max(ts, config.tile_rows(s.head_dim))
+        self.threads1 = config.threads
+        gm = group_max(s.group)
+        smem1 = config.smem_bytes("santa_prop", s.head_dim, gm)
         with _inputs.device_scope(self.device):
-            name1 = f"santa_prop_pass1<{ctype}, {s.head_dim}, {group_max(s.group)}>"
-            self.pass1 = _module.launcher("santa_prop", name1)
+            name1 = f"santa_prop_pass1<{ctype}, {s.head_dim}, {gm}>"
+            self.pass1 = _module.launcher("santa_prop", name1, smem1, config)
             if num_chunks is None:
-                slots = _module.num_sms() * _module.ctas_per_sm("santa_prop", name1, _THREADS)
+                slots = _module.num_sms() * _module.ctas_per_sm("santa_prop", name1, config.threads,
+                                                                smem1, config)
                 chunks, chunk_len = _module.choose_chunks(s.batch * s.kv_heads, s.tokens, align, slots)
             else:
                 chunk_len = math.ceil(math.ceil(s.tokens / num_chunks) / align) * align
                 chunks = math.ceil(s.tokens / chunk_len)
-            self.pass2 = _module.launcher("santa_prop", f"santa_prop_sample<{ctype}, {s.head_dim}>")
+            self.pass2 = _module.launcher("santa_prop", f"santa_prop_sample<{ctype}, {s.head_dim}>",
+                                          0, config)
         self.chunks, self.chunk_len = chunks, chunk_len
         self.grid1 = (chunks, s.kv_heads, s.batch)
         self.grid2 = (rows,)
@@ -144,7 +151,7 @@ class _PropPlan:
             outp = np.uint64(ops.ptr(out))
             indices = ops.empty(inp.q, self.idx_shape, "int64") if return_indices else None
             idxp = _inputs.NULL if indices is None else np.uint64(ops.ptr(indices))  # null: none
-            self.pass1(self.grid1, (_THREADS,),
+            self.pass1(self.grid1, (self.threads1,),
                        (qp, kp, lens, cum, tile_m, tile_l) + self.tail1, stream)
             self.pass2(self.grid2, (_SAMPLE_THREADS,),
                        (vp, lens, cum, tile_m, tile_l, C, iid, idx32, idxp, outp) + self.mid2

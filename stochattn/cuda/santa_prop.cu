@@ -49,6 +49,8 @@ santa_prop_pass1(const T* __restrict__ q, const T* __restrict__ k,
   constexpr int LPR = Tl::kLanesPerRow;
   constexpr int RPT = Tl::kRowsPerThread;
   constexpr int ROWS = Tl::kTileRows;
+  constexpr int RG = Tl::kRowGroups;
+  static_assert(ROWS <= kMaxTile, "a stage must fit in the logit buffer");
 
   const int chunk = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int Hq = Hkv * G;
@@ -62,7 +64,7 @@ santa_prop_pass1(const T* __restrict__ q, const T* __restrict__ k,
   if (start >= end) return;  // tiles past the sequence are never read by pass 2
   const long long head0 = (long long)b * Hq + (long long)kvh * G;
 
-  __shared__ __align__(16) unsigned char smem[kStages * kStageBytes];
+  unsigned char* smem = dynamic_smem();  // kStages * kStageBytes of K stages
   __shared__ float xs[GMAX * kMaxTile];  // logits of the current buffer of rows, per head
   // The logit buffer spans BUF rows: a whole sampling tile, or a whole load tile when the
   // load tile is longer. chunk_len is a multiple of BUF (host side).
@@ -94,33 +96,64 @@ santa_prop_pass1(const T* __restrict__ q, const T* __restrict__ k,
 
   const int rpl = tile_size / 32;  // rows per lane in the tile statistics (1..8)
 
+  int rd = 0, wr = kStages - 1;  // stage buffers read and refilled this iteration
   for (long long it = 0; it < ntiles; ++it) {
+    // Each thread reads only the pieces it copied (decode_common.cuh): its own wait
+    // suffices, no CTA barrier here. The xs buffer is guarded by the barriers around the
+    // tile statistics below.
     cp_async_wait<kStages - 2>();
-    __syncthreads();
     {
       const long long nx = it + kStages - 1;
-      if (nx < ntiles)
-        load_tile_async<D>(smem + (int)(nx % kStages) * kStageBytes, kbase, start + nx * ROWS, end);
+      if (nx < ntiles) load_tile_async<D>(smem + wr * kStageBytes, kbase, start + nx * ROWS, end);
       cp_async_commit();
     }
-    const unsigned char* sk = smem + (int)(it % kStages) * kStageBytes;
+    const unsigned char* sk = smem + rd * kStageBytes;
+    rd = rd + 1 == kStages ? 0 : rd + 1;
+    wr = wr + 1 == kStages ? 0 : wr + 1;
     const long long row0 = start + it * ROWS;
     const int pos0 = (int)((it * ROWS) % BUF);  // where this load tile sits in the buffer
 
+    float x[RPT * GMAX];  // partial dot products x[p * GMAX + g]
 #pragma unroll
     for (int p = 0; p < RPT; ++p) {
-      const int r = rg + p * Tl::kRowGroups;
+      const int r = rg + p * RG;
       float kf[8];
       unpack8<T>(*reinterpret_cast<const uint4*>(sk + r * (D * 2) + lr * 16), kf);
-      const bool valid = row0 + r < end;
 #pragma unroll
       for (int g = 0; g < GMAX; ++g) {
+        float s = 0.f;
         if (g < G) {
-          float s = 0.f;
 #pragma unroll
           for (int e = 0; e < 8; ++e) s = fmaf(qf[g][e], kf[e], s);
-          s = row_group_sum<LPR>(s);
-          if (lr == 0) xs[g * kMaxTile + pos0 + r] = valid ? s : STOCHATTN_NEG_INF;
+        }
+        x[p * GMAX + g] = s;
+      }
+    }
+    if constexpr (kReduce == 0) {
+#pragma unroll
+      for (int j = 0; j < RPT * GMAX; ++j) x[j] = row_group_sum<LPR>(x[j]);
+      if (lr == 0) {
+#pragma unroll
+        for (int p = 0; p < RPT; ++p) {
+          const int r = rg + p * RG;
+          const bool valid = row0 + r < end;
+#pragma unroll
+          for (int g = 0; g < GMAX; ++g)
+            if (g < G) xs[g * kMaxTile + pos0 + r] = valid ? x[p * GMAX + g] : STOCHATTN_NEG_INF;
+        }
+      }
+    } else {
+      // Reduce-scatter; each finished logit is written by its first owner lane (no
+      // broadcast needed: the statistics read the logits from shared memory).
+      using L = ScatterLayout<LPR, RPT * GMAX>;
+      Scatter<LPR / 2, RPT * GMAX>::run(x, lr);
+      if (lr % L::kSpan == 0) {
+#pragma unroll
+        for (int i = 0; i < L::kPer; ++i) {
+          const int j = L::index(i, lr);
+          const int p = j / GMAX, g = j % GMAX;
+          const int r = rg + p * RG;
+          if (g < G) xs[g * kMaxTile + pos0 + r] = row0 + r < end ? x[i] : STOCHATTN_NEG_INF;
         }
       }
     }
@@ -187,6 +220,7 @@ santa_prop_pass1(const T* __restrict__ q, const T* __restrict__ k,
           tile_l[hrow * n_tiles + t] = last;
         }
       }
+      __syncthreads();  // xs is read: the next stages may overwrite it
     }
   }
   cp_async_wait<0>();
