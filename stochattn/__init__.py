@@ -1,11 +1,34 @@
 """stochattn: fast approximate attention for long-context LLM decoding.
 
 Layout everywhere: q (B, Hq, D); k, v (B, Hkv, N, D); seq_lens (B,). See docs/layout.md.
+
+Estimators: :func:`exact_attention`, :func:`santa_attention` (SANTA / S²ANTA),
+:func:`bernoulli_scores` (Bernoulli qK^T), :func:`build_doublep_index` and
+:func:`doublep_attention` (Double-P); baselines :func:`topk_attention`,
+:func:`quest_attention`, :func:`top_p_attention`, :func:`cluster_topk_attention`.
+NumPy arrays run the reference (``stochattn.reference``), GPU arrays the CUDA kernels
+(``stochattn.cuda``), which this import does not load.
 """
 
+from .baselines import quest_attention, top_p_attention, topk_attention
+from .bernoulli import bernoulli_scores
 from .diagnostics import Diagnostics
+from .doublep import DoublePIndex, build_doublep_index, cluster_topk_attention, doublep_attention
 from .exact import exact_attention
+from .santa import santa_attention
 
 __version__ = "0.1.0.dev0"
 
-__all__ = ["Diagnostics", "exact_attention"]
+__all__ = [
+    "Diagnostics",
+    "DoublePIndex",
+    "bernoulli_scores",
+    "build_doublep_index",
+    "cluster_topk_attention",
+    "doublep_attention",
+    "exact_attention",
+    "quest_attention",
+    "santa_attention",
+    "top_p_attention",
+    "topk_attention",
+]
