@@ -13,7 +13,7 @@ import threading
 
 from . import _sources
 
-__all__ = ["get_kernel", "Launcher", "ctas_per_sm", "num_sms", "choose_chunks"]
+__all__ = ["get_kernel", "Launcher", "ctas_per_sm", "num_sms", "choose_chunks", "split_tokens"]
 
 _lock = threading.Lock()
 _modules: dict = {}  # (family, device id, options, dtypes) -> cupy.RawModule
@@ -140,3 +140,17 @@ def choose_chunks(units: int, tokens: int, align: int, slots: int, min_chunk: in
     best = 1 + next(i for i, e in enumerate(effs) if e >= max(effs) - 0.04)
     length = math.ceil(math.ceil(tokens / best) / align) * align
     return math.ceil(tokens / length), length
+
+
+def split_tokens(family: str, name: str, smem: int, config, units: int, tokens: int, align: int,
+                 num_chunks=None):
+    """``(num_chunks, chunk_len)`` of a split-KV launch of kernel ``name``.
+
+    Default: :func:`choose_chunks` for the kernel's occupancy on this device; an explicit
+    ``num_chunks`` (tests, tuning) is honoured with ``chunk_len`` rounded up to ``align``.
+    """
+    if num_chunks is None:
+        slots = num_sms() * ctas_per_sm(family, name, config.threads, smem, config)
+        return choose_chunks(units, tokens, align, slots)
+    chunk_len = math.ceil(math.ceil(tokens / num_chunks) / align) * align
+    return math.ceil(tokens / chunk_len), chunk_len

@@ -166,6 +166,25 @@ __device__ __forceinline__ unsigned char* dynamic_smem() {
   return stochattn_dyn_smem;
 }
 
+// The G query vectors of a GQA group (rows head0 .. head0 + G - 1 of q), this thread's
+// 8 features [8 lr, 8 lr + 8) each, multiplied by `scale`; heads G .. GMAX-1 are zeros.
+template <typename T, int D, int GMAX>
+__device__ __forceinline__ void load_group_queries(const T* __restrict__ q, long long head0, int G,
+                                                   int lr, float scale, float (&qf)[GMAX][8]) {
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    if (g < G) {
+      const uint4 u = *reinterpret_cast<const uint4*>(q + (head0 + g) * D + lr * 8);
+      unpack8<T>(u, qf[g]);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) qf[g][e] *= scale;
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) qf[g][e] = 0.f;
+    }
+  }
+}
+
 // Sum over the kLanesPerRow lanes of a row group (butterfly: every lane gets the sum).
 template <int LANES>
 __device__ __forceinline__ float row_group_sum(float x) {

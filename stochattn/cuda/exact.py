@@ -86,13 +86,8 @@ class _ExactPlan:
         with _inputs.device_scope(self.device):
             name = f"exact_decode_chunk<{ctype}, {s.head_dim}, {gm}>"
             self.chunk = _module.launcher("exact_decode", name, smem, config)
-            if num_chunks is None:
-                slots = _module.num_sms() * _module.ctas_per_sm("exact_decode", name, config.threads,
-                                                                 smem, config)
-                chunks, chunk_len = _module.choose_chunks(s.batch * s.kv_heads, s.tokens, rows, slots)
-            else:
-                chunk_len = math.ceil(math.ceil(s.tokens / num_chunks) / rows) * rows
-                chunks = math.ceil(s.tokens / chunk_len)
+            chunks, chunk_len = _module.split_tokens("exact_decode", name, smem, config,
+                                                     s.batch * s.kv_heads, s.tokens, rows, num_chunks)
             self.merge = _module.launcher("exact_decode", f"exact_decode_merge<{ctype}>", 0, config) \
                 if chunks > 1 else None
         self.chunks, self.chunk_len = chunks, chunk_len

@@ -64,18 +64,7 @@ exact_decode_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __
 
   // The G query vectors, this thread's 8 features each, pre-scaled.
   float qf[GMAX][8];
-#pragma unroll
-  for (int g = 0; g < GMAX; ++g) {
-    if (g < G) {
-      const uint4 u = *reinterpret_cast<const uint4*>(q + (head0 + g) * D + lr * 8);
-      unpack8<T>(u, qf[g]);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) qf[g][e] *= scale_log2;
-    } else {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) qf[g][e] = 0.f;
-    }
-  }
+  load_group_queries<T, D, GMAX>(q, head0, G, lr, scale_log2, qf);
 
   const long long stream_off = ((long long)b * Hkv + kvh) * N * D;  // 64-bit element offset
   const unsigned char* kbase = reinterpret_cast<const unsigned char*>(k + stream_off);

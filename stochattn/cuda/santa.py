@@ -107,13 +107,8 @@ class _PropPlan:
         with _inputs.device_scope(self.device):
             name1 = f"santa_prop_pass1<{ctype}, {s.head_dim}, {gm}>"
             self.pass1 = _module.launcher("santa_prop", name1, smem1, config)
-            if num_chunks is None:
-                slots = _module.num_sms() * _module.ctas_per_sm("santa_prop", name1, config.threads,
-                                                                smem1, config)
-                chunks, chunk_len = _module.choose_chunks(s.batch * s.kv_heads, s.tokens, align, slots)
-            else:
-                chunk_len = math.ceil(math.ceil(s.tokens / num_chunks) / align) * align
-                chunks = math.ceil(s.tokens / chunk_len)
+            chunks, chunk_len = _module.split_tokens("santa_prop", name1, smem1, config,
+                                                     s.batch * s.kv_heads, s.tokens, align, num_chunks)
             self.pass2 = _module.launcher("santa_prop", f"santa_prop_sample<{ctype}, {s.head_dim}>",
                                           0, config)
         self.chunks, self.chunk_len = chunks, chunk_len

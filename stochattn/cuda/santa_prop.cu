@@ -71,18 +71,7 @@ santa_prop_pass1(const T* __restrict__ q, const T* __restrict__ k,
   const int BUF = tile_size > ROWS ? tile_size : ROWS;
 
   float qf[GMAX][8];
-#pragma unroll
-  for (int g = 0; g < GMAX; ++g) {
-    if (g < G) {
-      const uint4 u = *reinterpret_cast<const uint4*>(q + (head0 + g) * D + lr * 8);
-      unpack8<T>(u, qf[g]);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) qf[g][e] *= scale;
-    } else {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) qf[g][e] = 0.f;
-    }
-  }
+  load_group_queries<T, D, GMAX>(q, head0, G, lr, scale, qf);
 
   const unsigned char* kbase =
       reinterpret_cast<const unsigned char*>(k + ((long long)b * Hkv + kvh) * N * D);
