@@ -166,6 +166,16 @@ __device__ __forceinline__ unsigned char* dynamic_smem() {
   return stochattn_dyn_smem;
 }
 
+// Length of sequence b, clamped to [0, N]: an out-of-range GPU seq_lens (unchecked unless
+// the caller asks, since checking needs a host sync) can never make a kernel read outside
+// the cache.
+__device__ __forceinline__ long long sequence_length(const int* __restrict__ seq_lens, int b,
+                                                     long long N) {
+  if (!seq_lens) return N;
+  const long long len = seq_lens[b];
+  return len < 0 ? 0 : (len > N ? N : len);
+}
+
 // The G query vectors of a GQA group (rows head0 .. head0 + G - 1 of q), this thread's
 // 8 features [8 lr, 8 lr + 8) each, multiplied by `scale`; heads G .. GMAX-1 are zeros.
 template <typename T, int D, int GMAX>

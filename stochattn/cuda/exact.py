@@ -30,8 +30,8 @@ def exact_decode(q, k, v, seq_lens=None, *, softmax_scale=None, num_chunks=None,
     seq_lens : integer array, shape (B,), optional
         Sequence b uses ``k[b, :, :seq_lens[b]]``; a length of 0 gives a zero row. Host
         values (NumPy, list, CPU tensor) are checked on the host and copied asynchronously.
-        GPU values are trusted (no synchronisation): a value outside [0, N] is undefined
-        behaviour unless ``check_seq_lens=True``.
+        GPU values are not checked (no synchronisation) unless ``check_seq_lens=True``;
+        the kernels clamp them to [0, N], so a bad value never reads outside the cache.
     softmax_scale : float, optional
         Logit scale, default ``1 / sqrt(D)``.
     num_chunks : int, optional

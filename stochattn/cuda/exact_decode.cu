@@ -36,7 +36,7 @@ exact_decode_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __
   const int rg = tid / LPR;   // row group
   const int warp = tid / 32, lane = tid % 32;
 
-  const long long len = seq_lens ? (long long)seq_lens[b] : N;
+  const long long len = sequence_length(seq_lens, b, N);
   const long long start = (long long)chunk * chunk_len;
   const long long end = min(start + chunk_len, len);
   const long long head0 = (long long)b * Hq + (long long)kvh * G;  // first query head row

@@ -35,7 +35,9 @@ def santa_prop(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_siz
     k, v : GPU array, shape (B, Hkv, N, D), dtype of ``q``
         Contiguous; ``Hq // Hkv <= 8``; D is 64 or 128.
     seq_lens : integer array, shape (B,), optional
-        Sequence lengths (checked on the host); 0 gives a zero row.
+        Sequence lengths; 0 gives a zero row. Host values are checked on the host; GPU
+        values are not checked (no synchronisation) unless ``check_seq_lens=True``, and the
+        kernels clamp them to [0, N], so a bad value never reads outside the cache.
     budget : int
         S >= 1 sample points per (sequence, query head).
     sampler : {"systematic", "stratified", "iid"}

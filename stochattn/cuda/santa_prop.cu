@@ -58,7 +58,7 @@ santa_prop_pass1(const T* __restrict__ q, const T* __restrict__ k,
   const int lr = tid % LPR, rg = tid / LPR;
   const int warp = tid / 32, lane = tid % 32;
 
-  const long long len = seq_lens ? (long long)seq_lens[b] : N;
+  const long long len = sequence_length(seq_lens, b, N);
   const long long start = (long long)chunk * chunk_len;
   const long long end = min(start + chunk_len, len);
   if (start >= end) return;  // tiles past the sequence are never read by pass 2
@@ -292,7 +292,7 @@ santa_prop_sample(const T* __restrict__ v, const int* __restrict__ seq_lens,
   const long long row = blockIdx.x;  // b * Hq + h: also the random-stream row
   const int b = (int)(row / Hq), h = (int)(row % Hq);
   const int Hkv = Hq / G, kvh = h / G;
-  const long long len = seq_lens ? (long long)seq_lens[b] : N;
+  const long long len = sequence_length(seq_lens, b, N);
   T* orow = out + row * D;
   int* ids = idx32 + row * S;
 

@@ -59,3 +59,12 @@ def test_missing_gpu_paths_say_what_is_missing(kwargs, what):
     q, k, v = _inputs()
     with pytest.raises(NotImplementedError, match=rf"`santa_attention` has no CUDA kernel yet \({what}"):
         stochattn.santa_attention(q, k, v, budget=8, **kwargs)
+
+
+def test_unchecked_gpu_seq_lens_are_clamped_not_read_out_of_bounds():
+    q, k, v = _inputs(N=64)
+    bad = cupy.asarray([1000, -5], dtype=cupy.int32)   # outside [0, N], not checked
+    good = cupy.asarray([64, 0], dtype=cupy.int32)
+    assert bool((exact_decode(q, k, v, bad) == exact_decode(q, k, v, good)).all())
+    assert bool((santa_prop(q, k, v, bad, budget=8, seed=1)
+                 == santa_prop(q, k, v, good, budget=8, seed=1)).all())
