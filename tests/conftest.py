@@ -1,7 +1,15 @@
 import os
+import shutil
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+# Numba-CUDA kernels (stochattn/cuda/kmeans.py) run under Numba's CUDA simulator on machines
+# without an NVIDIA GPU. The variable must be set before Numba is first imported, hence here,
+# at import time; on a GPU machine (or when the caller chose) it is left alone.
+if ("NUMBA_ENABLE_CUDASIM" not in os.environ and shutil.which("nvidia-smi") is None
+        and not os.path.exists("/dev/nvidia0")):
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
 
 # Two profiles: "ci" (the default) draws fresh examples with no deadline; "derandomized"
 # replays the same examples every run (set HYPOTHESIS_PROFILE=derandomized).

@@ -1,0 +1,316 @@
+"""Numba-CUDA k-means prefill (stochattn/cuda/kmeans.py) against the NumPy reference.
+
+Runs on the real GPU when there is one and under Numba's CUDA simulator otherwise
+(tests/conftest.py sets NUMBA_ENABLE_CUDASIM=1 before Numba is imported when no GPU is
+present); the inputs are NumPy arrays either way, so no CuPy is needed.
+
+Every property is exact; none is statistical:
+- the seeding (Philox words, (key, position) order) equals the reference bit for bit;
+- labels, sizes, value sums and live clusters are consistent with each other exactly;
+- each label is the nearest live centroid of the *returned* centroids up to a proven bound
+  on float32 rounding (the reference decides in float64);
+- one more iteration is exactly one float32 Lloyd update of the previous result
+  (sequential float32 sums in position order, IEEE division; empty clusters stay);
+- on fixed data (odd sizes included) the whole index equals the reference's (labels and
+  sizes exactly, float statistics to float32 rounding): fixed inputs, so these either
+  always pass or always fail.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("numba.cuda")
+
+from numba import cuda  # noqa: E402
+
+from stochattn.cuda import kmeans as km  # noqa: E402
+from stochattn.cuda.kmeans import kmeans_gpu  # noqa: E402
+from stochattn.reference.kmeans import build_index, window_starts  # noqa: E402
+from stochattn.reference.rng import PURPOSE_KMEANS_INIT, random_words  # noqa: E402
+
+U32 = 2.0**-24  # unit roundoff of float32
+FIELDS = ("centroids", "sizes", "value_sums", "labels", "window_start", "n_initialized")
+
+
+# ---- checks shared with tests/gpu/test_cuda_kmeans.py ----------------------------------
+
+
+def gamma(n: int) -> float:
+    """Higham's gamma_n = n u / (1 - n u): relative bound of an n-term float32 sum/dot."""
+    return n * U32 / (1 - n * U32)
+
+
+def check_structure(out, keys, values, lens, *, n_clusters, n_sink, window):
+    """Exact invariants of a GPU index (NumPy arrays): labels exactly on the middle tokens,
+    each in a live cluster; live = min(C, M); sizes = label counts; non-live clusters zero;
+    value sums = float32 sums of the members (to float32 rounding of an M-term sum)."""
+    B, Hkv, N, D = keys.shape
+    C = n_clusters
+    assert out["centroids"].dtype == np.float32 and out["value_sums"].dtype == np.float32
+    assert out["labels"].dtype == np.int32 and out["sizes"].dtype == np.int64
+    assert out["centroids"].shape == (B, Hkv, C, D) and out["labels"].shape == (B, Hkv, N)
+    ws = window_starts(lens, n_sink, window)
+    np.testing.assert_array_equal(out["window_start"], ws)
+    M = np.maximum(ws - n_sink, 0)
+    np.testing.assert_array_equal(out["n_initialized"], np.minimum(M, C)[:, None].repeat(Hkv, 1))
+    v64 = values.astype(np.float64)
+    for b in range(B):
+        middle = np.zeros(N, dtype=bool)
+        middle[n_sink:ws[b]] = True
+        for h in range(Hkv):
+            lab = out["labels"][b, h]
+            live = int(out["n_initialized"][b, h])
+            np.testing.assert_array_equal(lab >= 0, middle)
+            assert np.all(lab[middle] < live)
+            counts = np.bincount(lab[middle], minlength=C)
+            np.testing.assert_array_equal(out["sizes"][b, h], counts)
+            assert not out["centroids"][b, h, live:].any()
+            sums = np.zeros((C, D))
+            mags = np.zeros((C, D))
+            np.add.at(sums, lab[middle], v64[b, h, middle])
+            np.add.at(mags, lab[middle], np.abs(v64[b, h, middle]))
+            bound = gamma(int(M[b]) + 1) * mags
+            assert np.all(np.abs(out["value_sums"][b, h].astype(np.float64) - sums) <= bound)
+
+
+def score_bound(keys64, cent64):
+    """Bound on |fl32(|c|^2 - 2 k.c) - (|c|^2 - 2 k.c)| per (token, cluster): both sums
+    have D terms (sequential, with or without fused multiply-adds), plus the final
+    subtraction: gamma_{D+2} (|c|^2 + 2 sum_d |k_d c_d|)."""
+    D = keys64.shape[-1]
+    mag = (cent64 * cent64).sum(-1)[None, :] + 2.0 * np.abs(keys64) @ np.abs(cent64).T
+    return gamma(D + 2) * mag
+
+
+def check_nearest(out, keys):
+    """Each label is a nearest live centroid of the returned centroids, float32 rounding
+    aside: its float64 score exceeds the float64 minimum by at most the two error bounds.
+    Returns (tokens checked, tokens whose label differs from the float64 argmin)."""
+    B, Hkv = keys.shape[:2]
+    total = differ = 0
+    for b in range(B):
+        for h in range(Hkv):
+            live = int(out["n_initialized"][b, h])
+            pos = np.flatnonzero(out["labels"][b, h] >= 0)
+            if pos.size == 0:
+                continue
+            k64 = keys[b, h, pos].astype(np.float64)
+            c64 = out["centroids"][b, h, :live].astype(np.float64)
+            s = (c64 * c64).sum(-1)[None, :] - 2.0 * k64 @ c64.T
+            err = score_bound(k64, c64) + 1e-14 * (np.abs(s) + 1.0)  # + the float64 check's own rounding
+            got = out["labels"][b, h, pos].astype(np.int64)
+            best = np.argmin(s, axis=1)
+            rows = np.arange(pos.size)
+            assert np.all(s[rows, got] <= s[rows, best] + err[rows, got] + err[rows, best])
+            total += pos.size
+            differ += int(np.count_nonzero(got != best))
+    return total, differ
+
+
+def lloyd_update32(prev, keys):
+    """One update of the GPU's arithmetic from a previous result: each live, non-empty
+    cluster moves to the float32 mean of its members (sequential float32 sum in position
+    order: np.cumsum accumulates in order), empty ones stay."""
+    cent = prev["centroids"].copy()
+    B, Hkv = keys.shape[:2]
+    for b in range(B):
+        for h in range(Hkv):
+            lab = prev["labels"][b, h]
+            for c in range(int(prev["n_initialized"][b, h])):
+                members = keys[b, h, lab == c].astype(np.float32)
+                if len(members):
+                    total = np.cumsum(members, axis=0, dtype=np.float32)[-1]
+                    cent[b, h, c] = total / np.float32(len(members))
+    return cent
+
+
+def check_against_reference(out, ref, *, rtol=1e-5):
+    """Whole index equal to the reference: integer fields exactly, float fields to rtol
+    of their scale."""
+    for name in ("labels", "sizes", "window_start", "n_initialized"):
+        np.testing.assert_array_equal(out[name], ref[name], err_msg=name)
+    for name in ("centroids", "value_sums"):
+        scale = max(1.0, float(np.abs(ref[name]).max(initial=0.0)))
+        np.testing.assert_allclose(out[name], ref[name], rtol=0, atol=rtol * scale, err_msg=name)
+
+
+# ---- Philox and seeding ------------------------------------------------------------------
+
+
+@cuda.jit
+def _words_kernel(seed_lo, seed_hi, rows, draws, out):
+    i = cuda.grid(1)
+    if i < out.size:
+        word2 = np.uint64(PURPOSE_KMEANS_INIT << 28) | np.uint64(rows[i])
+        out[i] = km._philox_x0(np.uint64(draws[i]), np.uint64(0), word2, np.uint64(0),
+                               seed_lo, seed_hi)
+
+
+@pytest.mark.parametrize("seed", [0, 12345, 2**32 + 7, 2**64 - 1])
+def test_philox_words_match_reference(seed):
+    """The kernel's Philox-4x32-10 gives the reference's random_words bit for bit."""
+    rows = np.array([0, 0, 1, 5, 2**28 - 1, 77, 3, 3], dtype=np.int64)
+    draws = np.array([0, 1, 2, 4096, 17, 2**31 - 1, 100000, 9], dtype=np.int64)
+    out = np.zeros(rows.size, dtype=np.uint64)
+    _words_kernel[1, 32](np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32), rows, draws, out)
+    ref = random_words(seed, 0, PURPOSE_KMEANS_INIT, row=rows, stream=0, draw=draws)
+    np.testing.assert_array_equal(out, ref.astype(np.uint64))
+
+
+def test_seeding_equals_reference_bit_for_bit():
+    """iterations=0: the centroids are the keys of the first min(C, M) middle tokens in
+    (random key, position) order, exactly the reference's; two sequences, one with M < C."""
+    rng = np.random.default_rng(11)
+    k = rng.standard_normal((2, 2, 40, 8)).astype(np.float32)
+    lens = np.array([40, 13])
+    out = kmeans_gpu(k, k, lens, n_clusters=6, iterations=0, n_sink=3, window=5, seed=2**40 + 3)
+    ref = build_index(k, k, lens, 6, 0, 3, 5, 2**40 + 3)
+    np.testing.assert_array_equal(out["centroids"], ref["centroids"].astype(np.float32))
+    np.testing.assert_array_equal(out["n_initialized"], [[6, 6], [5, 5]])
+    check_against_reference(out, ref)
+
+
+# ---- fixed cases: whole index equals the reference ------------------------------------
+
+
+def _run_both(k, v, lens, **kw):
+    out = kmeans_gpu(k, v, lens, **kw)
+    ref = build_index(k, v, lens, kw["n_clusters"], kw["iterations"], kw["n_sink"], kw["window"],
+                      kw["seed"])
+    check_structure(out, k, v, np.asarray(lens, dtype=np.int64), n_clusters=kw["n_clusters"],
+                    n_sink=kw["n_sink"], window=kw["window"])
+    check_nearest(out, k)
+    return out, ref
+
+
+def test_fewer_middle_tokens_than_clusters_and_empty_sequences():
+    """Sequence 0: M = 30 > C; sequence 1: M = 3 < C = 5 (clusters 3, 4 non-live, zero);
+    sequence 2: L = 2 < n_sink (no middle token at all)."""
+    rng = np.random.default_rng(12)
+    k = rng.standard_normal((3, 2, 40, 12)).astype(np.float32)
+    v = rng.standard_normal((3, 2, 40, 12)).astype(np.float32)
+    lens = np.array([40, 13, 2])
+    out, ref = _run_both(k, v, lens, n_clusters=5, iterations=3, n_sink=4, window=6, seed=9)
+    check_against_reference(out, ref)
+    np.testing.assert_array_equal(out["sizes"][1], [[1, 1, 1, 0, 0]] * 2)
+    assert np.all(out["labels"][2] == -1) and not out["centroids"][2].any()
+
+
+def test_no_middle_tokens_anywhere():
+    """Every L <= n_sink + window: no label, no live cluster, all statistics zero."""
+    k = np.random.default_rng(13).standard_normal((2, 1, 20, 8)).astype(np.float32)
+    out, ref = _run_both(k, k, np.array([0, 20]), n_clusters=3, iterations=2, n_sink=4, window=16,
+                         seed=1)
+    check_against_reference(out, ref)
+    assert np.all(out["labels"] == -1) and not out["sizes"].any() and not out["centroids"].any()
+
+
+def test_one_cluster():
+    """C = 1: every middle token in cluster 0, centroid = float32 mean of the keys."""
+    rng = np.random.default_rng(14)
+    k = rng.standard_normal((1, 2, 50, 8)).astype(np.float32)
+    out, ref = _run_both(k, k, np.array([50]), n_clusters=1, iterations=3, n_sink=2, window=4, seed=5)
+    check_against_reference(out, ref)
+    np.testing.assert_array_equal(out["sizes"], [[[44], [44]]])
+    mean = np.cumsum(k[0, :, 2:46], axis=1, dtype=np.float32)[:, -1] / np.float32(44)
+    np.testing.assert_array_equal(out["centroids"][0, :, 0], mean)
+
+
+def test_cluster_that_empties_during_iterations():
+    """Fixed 1-D data and seed (found by a search with the reference) where cluster 2 holds
+    two tokens after the first assignment and none after the second: the empty live cluster
+    keeps its centroid, takes part in later assignments, and the GPU agrees."""
+    x = [1.5, -5.8, -1.8, -2.0, -2.1, -4.3, 2.3, -1.2, 1.4, 1.6, 4.1]
+    k = np.zeros((1, 1, len(x), 8), dtype=np.float32)
+    k[0, 0, :, 0] = x
+    lens = np.array([len(x)])
+    kw = dict(n_clusters=4, n_sink=0, window=0, seed=21)
+    first = build_index(k, k, lens, 4, 0, 0, 0, 21)["sizes"][0, 0]
+    assert first[2] > 0  # the case this test is about (reference behaviour)
+    for t in (1, 3):
+        out, ref = _run_both(k, k, lens, iterations=t, **kw)
+        assert ref["sizes"][0, 0, 2] == 0 and out["sizes"][0, 0, 2] == 0
+        check_against_reference(out, ref)
+
+
+def test_duplicate_keys_float16():
+    """float16 keys with exact duplicates: equal centroids tie exactly in both precisions,
+    the lowest index wins, the higher one stays empty and keeps its centroid."""
+    rng = np.random.default_rng(15)
+    base = rng.standard_normal((1, 1, 6, 8)).astype(np.float16)
+    k = np.repeat(base, 8, axis=2)  # 48 tokens, 6 distinct keys, 8 copies each
+    v = rng.standard_normal((1, 1, 48, 8)).astype(np.float16)
+    out, ref = _run_both(k, v, np.array([48]), n_clusters=8, iterations=3, n_sink=0, window=0,
+                         seed=3)
+    check_against_reference(out, ref)
+    assert np.count_nonzero(out["sizes"]) <= 6
+
+
+# ---- random small problems: exact properties -------------------------------------------
+
+
+@st.composite
+def problems(draw):
+    B, Hkv = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    N = draw(st.integers(1, 48))
+    D = draw(st.sampled_from((8, 16)))
+    dtype = draw(st.sampled_from((np.float16, np.float32)))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    k = rng.standard_normal((B, Hkv, N, D)).astype(dtype)
+    v = rng.standard_normal((B, Hkv, N, D)).astype(dtype)
+    if draw(st.booleans()):  # exact duplicates: ties between equal centroids
+        k[:, :, N // 2:] = k[:, :, : N - N // 2]
+    lens = np.array([draw(st.integers(0, N)) for _ in range(B)])
+    kw = dict(n_clusters=draw(st.integers(1, min(8, N))), iterations=draw(st.integers(0, 3)),
+              n_sink=draw(st.integers(0, 4)), window=draw(st.integers(0, 12)),
+              seed=draw(st.integers(0, 2**64 - 1)))
+    return k, v, lens, kw
+
+
+@given(problems())
+@settings(max_examples=15)
+def test_random_problems_exact_properties(problem):
+    """Structure and nearest-centroid (float32 bound) for the result; with iterations = 0
+    the centroids equal the reference seeding bit for bit; with iterations = t >= 1 the
+    centroids are exactly one float32 Lloyd update of the t - 1 result."""
+    k, v, lens, kw = problem
+    out = kmeans_gpu(k, v, lens, **kw)
+    check_structure(out, k, v, lens, n_clusters=kw["n_clusters"], n_sink=kw["n_sink"],
+                    window=kw["window"])
+    check_nearest(out, k)
+    t = kw["iterations"]
+    if t == 0:
+        ref = build_index(k, v, lens, kw["n_clusters"], 0, kw["n_sink"], kw["window"], kw["seed"])
+        np.testing.assert_array_equal(out["centroids"], ref["centroids"].astype(np.float32))
+    else:
+        prev = kmeans_gpu(k, v, lens, **{**kw, "iterations": t - 1})
+        np.testing.assert_array_equal(out["centroids"], lloyd_update32(prev, k))
+
+
+# ---- errors --------------------------------------------------------------------------------
+
+
+def test_errors():
+    k = np.zeros((1, 2, 10, 8), dtype=np.float32)
+    with pytest.raises(ValueError, match=r"`n_clusters` must be <= 10 \(the seq axis of `k`\), got 11"):
+        kmeans_gpu(k, k, n_clusters=11)
+    with pytest.raises(ValueError, match="`n_clusters` must be >= 1, got 0"):
+        kmeans_gpu(k, k, n_clusters=0)
+    with pytest.raises(ValueError, match="`iterations` must be >= 0, got -1"):
+        kmeans_gpu(k, k, n_clusters=2, iterations=-1)
+    with pytest.raises(ValueError, match="`window` must be >= 0, got -2"):
+        kmeans_gpu(k, k, n_clusters=2, window=-2)
+    with pytest.raises(ValueError, match="`seed` must lie in"):
+        kmeans_gpu(k, k, n_clusters=2, seed=2**64)
+    with pytest.raises(TypeError, match="`k` dtype must be one of float16, bfloat16, float32, got float64"):
+        kmeans_gpu(k.astype(np.float64), k.astype(np.float64), n_clusters=2)
+    with pytest.raises(ValueError, match="`v` must have the shape of `k`"):
+        kmeans_gpu(k, k[:, :1], n_clusters=2)
+    with pytest.raises(ValueError, match=r"`seq_lens` values must lie in \[0, 10\]"):
+        kmeans_gpu(k, k, np.array([11]), n_clusters=2)
+    with pytest.raises(TypeError, match="`k` must be a NumPy array, a CuPy array or a CUDA tensor"):
+        kmeans_gpu(k.tolist(), k, n_clusters=2)
