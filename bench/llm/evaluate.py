@@ -1,0 +1,380 @@
+"""Teacher-forced next-token loss of SmolLM2 with an attention estimator in every layer.
+
+Run from the repository root (needs the ``eval`` extra, docs/llm_eval.md)::
+
+    python -m bench.llm.evaluate --play hamlet --tokens 2048 --estimator santa --budget 128
+    python -m bench.llm.evaluate --list-plays
+
+Protocol. The play's text is tokenized and cut to ``--tokens`` tokens. The prefix is
+computed exactly (:func:`bench.llm.forward.forward`, keeping every layer's keys and
+values). Every ``--stride``-th position p from ``--first`` on is *evaluated*: its own
+residual stream is recomputed layer by layer with the estimator in place of attention,
+exactly as a decode step after an exact prefill would: at layer l the position's query
+attends over the exact keys/values of positions 0..p-1 and its own key/value at p (from its
+own, approximate, residual stream), so replacing attention in layer l changes layer l+1's
+inputs of the evaluated positions only. The estimator is called on
+``q (P, Hq, D)``, ``k, v (P, Hkv, N, D)``, ``seq_lens = p + 1`` for chunks of positions
+(a handful of calls per layer; ``--cache-mb`` bounds the size of one call's K/V).
+
+Output: the mean loss ``-log p(token[p+1])`` over the evaluated positions and its
+perplexity, for exact attention (from the exact pass) and for the estimator, and the change.
+For stochastic estimators the loss is averaged over ``--seeds`` seeds (seed = 0, 1, ...;
+offset = chunk * n_layers + layer, so that every call draws from its own stream), and the
+95% confidence interval of the change is Student's t over seeds: it measures the
+estimator's randomness on these positions, not the sampling of positions or texts (the
+paired standard error over positions is printed as well).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from .forward import forward, mlp, qkv, rope_tables, token_losses
+
+__all__ = ["ESTIMATORS", "EvalResult", "evaluate", "evaluated_positions", "load_tokens",
+           "make_estimator", "teacher_forced_losses"]
+
+ESTIMATORS = ("exact", "santa", "topk", "quest", "top_p", "sinkwindow")
+
+
+def _sink_window_attention(q, k, v, seq_lens, *, n_sink=4, window=64):
+    """Exact attention over the first ``n_sink`` and the last ``window`` tokens only."""
+    from stochattn.exact import exact_attention
+
+    P, Hkv, N, D = k.shape
+    M = n_sink + window
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    j = np.arange(M)[None, :]
+    # Rows longer than M keep tokens 0..n_sink-1 and L-window..L-1; shorter rows keep all.
+    idx = np.where(j < n_sink, j, lens[:, None] - M + j)
+    idx = np.where(lens[:, None] > M, idx, np.minimum(j, N - 1))
+    take = idx[:, None, :, None]
+    ks = np.take_along_axis(k, take, axis=2)
+    vs = np.take_along_axis(v, take, axis=2)
+    return exact_attention(q, ks, vs, np.minimum(lens, M).astype(np.int32))
+
+
+def make_estimator(name, *, budget=128, p=0.95, sampler="systematic", schedule="prop",
+                   n_sink=4, window=64):
+    """An estimator ``f(q, k, v, seq_lens, *, seed, offset) -> out (P, Hq, D)``.
+
+    Parameters
+    ----------
+    name : {"exact", "santa", "topk", "quest", "top_p", "sinkwindow"}
+        ``"santa"``: :func:`stochattn.santa.santa_attention` with ``budget`` samples and
+        the given ``sampler`` / ``schedule`` (stochastic); ``"topk"``: oracle top-k with
+        ``k_tokens = budget``; ``"quest"``: Quest with ``budget`` tokens (pages of 16);
+        ``"top_p"``: oracle token top-p at ``p``; ``"sinkwindow"``: the first ``n_sink``
+        and the last ``window`` tokens only; ``"exact"``: exact attention.
+
+    Returns
+    -------
+    (callable, bool)
+        The estimator and whether it is stochastic.
+    """
+    if name == "exact":
+        from stochattn.exact import exact_attention
+        return (lambda q, k, v, lens, *, seed, offset: exact_attention(q, k, v, lens)), False
+    if name == "santa":
+        from stochattn.santa import santa_attention
+        return (lambda q, k, v, lens, *, seed, offset: santa_attention(
+            q, k, v, lens, budget=budget, sampler=sampler, schedule=schedule, seed=seed,
+            offset=offset)), True
+    if name == "topk":
+        from stochattn.baselines import topk_attention
+        return (lambda q, k, v, lens, *, seed, offset: topk_attention(
+            q, k, v, lens, k_tokens=budget)), False
+    if name == "quest":
+        from stochattn.baselines import quest_attention
+        return (lambda q, k, v, lens, *, seed, offset: quest_attention(
+            q, k, v, lens, budget=budget)), False
+    if name == "top_p":
+        from stochattn.baselines import top_p_attention
+        return (lambda q, k, v, lens, *, seed, offset: top_p_attention(q, k, v, lens, p=p)), False
+    if name == "sinkwindow":
+        return (lambda q, k, v, lens, *, seed, offset: _sink_window_attention(
+            q, k, v, lens, n_sink=n_sink, window=window)), False
+    raise ValueError(f"`estimator`: expected one of {ESTIMATORS}, got {name!r}")
+
+
+def _host(a):
+    """A NumPy copy of a NumPy or CuPy array (CuPy refuses implicit conversion)."""
+    return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
+
+
+def load_tokens(play, n_tokens, *, tokenizer=None):
+    """The first ``n_tokens`` token ids (int64) of a play's plain text."""
+    from .texts import play_text
+    from .tokenizer import build_tokenizer
+
+    tok = tokenizer if tokenizer is not None else build_tokenizer()
+    ids = np.asarray(tok.encode(play_text(play)).ids, dtype=np.int64)
+    if ids.shape[0] < n_tokens:
+        raise ValueError(f"`n_tokens`: play {play!r} has {ids.shape[0]} tokens, asked {n_tokens}")
+    return ids[:n_tokens]
+
+
+def evaluated_positions(n_tokens, *, first, stride):
+    """Positions ``first, first + stride, ... <= n_tokens - 2`` (each predicts the next token)."""
+    if not 0 <= first <= n_tokens - 2:
+        raise ValueError(f"`first`: expected in [0, {n_tokens - 2}], got {first}")
+    if stride < 1:
+        raise ValueError(f"`stride`: expected >= 1, got {stride}")
+    return np.arange(first, n_tokens - 1, stride, dtype=np.int64)
+
+
+def _chunks(positions, kv_heads, head_dim, cache_bytes):
+    """Index ranges [a, b) of sorted positions whose K/V copy fits in ``cache_bytes``.
+
+    A call's K (and V) holds rows x Hkv x (last position + 1) x D values; the reference
+    estimators work on float64 copies, hence 8 bytes per value.
+    """
+    out, a = [], 0
+    while a < len(positions):
+        b = a + 1
+        while b < len(positions) and \
+                (b + 1 - a) * kv_heads * (positions[b] + 1) * head_dim * 8 <= cache_bytes:
+            b += 1
+        out.append((a, b))
+        a = b
+    return out
+
+
+def teacher_forced_losses(weights, tokens, positions, estimator, prefix, *, seed=0,
+                          pairing="interleaved", cache_bytes=256 << 20, xp=np):
+    """Next-token losses (P,) at ``positions`` with ``estimator`` in every layer.
+
+    Parameters
+    ----------
+    weights : LlamaWeights
+    tokens : int array (T,)
+        The sequence; position p predicts ``tokens[p + 1]``.
+    positions : int array (P,)
+        Sorted evaluated positions in [0, T - 2].
+    estimator : callable
+        ``f(q (P, Hq, D), k (P, Hkv, N, D), v, seq_lens (P,), *, seed, offset)``, as from
+        :func:`make_estimator`.
+    prefix : ForwardResult
+        The exact pass over at least ``tokens[:positions[-1] + 1]`` with ``keep_kv=True``.
+    seed : int
+        Passed to every call; ``offset = chunk * n_layers + layer``.
+    cache_bytes : int
+        Bound on one call's K (or V) size in float64 bytes; sets the chunking.
+
+    Returns
+    -------
+    float64 array (P,)
+    """
+    cfg = weights.config
+    pos = np.asarray(positions, dtype=np.int64)
+    if pos.size == 0 or np.any(np.diff(pos) <= 0) or pos[0] < 0 or pos[-1] + 1 >= len(tokens):
+        raise ValueError("`positions`: expected sorted distinct positions in [0, T - 2]")
+    P, Hkv, D = pos.shape[0], cfg.kv_heads, cfg.head_dim
+    tokens = xp.asarray(tokens)
+    cos, sin = rope_tables(pos, D, cfg.rope_theta, xp)
+    chunks = _chunks(pos, Hkv, D, cache_bytes)
+    y = xp.take(weights.token_embd, tokens[xp.asarray(pos)], axis=0)
+    size = max((b - a) * Hkv * (int(pos[b - 1]) + 1) * D for a, b in chunks)
+    kbuf = xp.empty(size, dtype=prefix.k[0].dtype)
+    vbuf = xp.empty(size, dtype=prefix.v[0].dtype)
+    for li, layer in enumerate(weights.layers):
+        q, k_own, v_own = qkv(layer, y, cos, sin, cfg, pairing, xp)
+        K = xp.transpose(prefix.k[li], (1, 0, 2))   # (Hkv, T, D), exact, after RoPE
+        V = xp.transpose(prefix.v[li], (1, 0, 2))
+        o = xp.empty_like(q)
+        for c, (a, b) in enumerate(chunks):
+            ps = pos[a:b]
+            n = int(ps[-1]) + 1
+            rows = xp.arange(b - a)
+            # Each row: the exact cache of tokens 0..n-1, with its own key/value at p.
+            # Views of two buffers reused by every call: fresh memory per call would
+            # cost more in page faults than the copy itself.
+            kc = kbuf[:(b - a) * Hkv * n * D].reshape(b - a, Hkv, n, D)
+            vc = vbuf[:(b - a) * Hkv * n * D].reshape(b - a, Hkv, n, D)
+            kc[...] = K[None, :, :n]
+            vc[...] = V[None, :, :n]
+            pj = xp.asarray(ps)
+            kc[rows, :, pj, :] = k_own[a:b]
+            vc[rows, :, pj, :] = v_own[a:b]
+            lens = xp.asarray(ps + 1, dtype=xp.int32)
+            o[a:b] = estimator(q[a:b], kc, vc, lens, seed=seed,
+                               offset=c * cfg.n_layers + li)
+        y = y + o.reshape(P, -1) @ layer["attn_output"].T
+        y = y + mlp(layer, y, cfg, xp)
+    return token_losses(weights, y, tokens[xp.asarray(pos + 1)], xp=xp)
+
+
+# Student's t quantile t_{0.975, df} for df = 1..30; beyond, 2.042 (df = 30) is a slightly
+# conservative stand-in for the exact value (1.96 as df -> infinity).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def _t975(df):
+    return _T975[min(df, 30) - 1]
+
+
+@dataclass
+class EvalResult:
+    """One evaluation (see the module docstring); losses in nats per token."""
+
+    play: str
+    n_tokens: int
+    n_positions: int
+    estimator: str
+    options: dict
+    seeds: list
+    loss_exact: float
+    ppl_exact: float
+    loss_per_seed: list
+    loss: float
+    ppl: float
+    delta_loss: float
+    delta_loss_ci95: float          # half-width over seeds (NaN for one seed / deterministic)
+    delta_loss_se_positions: float  # paired standard error over positions (seed mean)
+    ppl_change: float               # ppl / ppl_exact - 1
+    seconds_prefix: float
+    seconds_per_seed: list = field(default_factory=list)
+
+
+def evaluate(play="hamlet", *, n_tokens=2048, first=None, stride=4, estimator="santa",
+             seeds=1, weights=None, tokens=None, prefix=None, pairing="interleaved",
+             cache_bytes=256 << 20, xp=np, **options):
+    """Exact vs estimator teacher-forced loss on one play.
+
+    Parameters
+    ----------
+    play : str
+        A name from :func:`bench.llm.texts.list_plays`.
+    n_tokens : int
+        Sequence length T (at most 8192).
+    first, stride : int
+        Evaluated positions ``first, first + stride, ...``; ``first`` defaults to T // 2.
+    estimator : str
+        See :func:`make_estimator`; ``options`` go to it (``budget``, ``p``, ``sampler``,
+        ``schedule``, ``n_sink``, ``window``).
+    seeds : int
+        Number of seeds (0, 1, ...) for a stochastic estimator; deterministic ones run once.
+    weights, tokens, prefix : optional
+        Reuse a loaded model, token array and exact pass (``keep_kv=True``).
+
+    Returns
+    -------
+    EvalResult
+    """
+    from .model import load_model
+
+    weights = weights if weights is not None else load_model()
+    if xp is not np and isinstance(weights.token_embd, np.ndarray):
+        weights = weights.to(xp)
+    tokens = np.asarray(tokens) if tokens is not None else load_tokens(play, n_tokens)
+    T = int(tokens.shape[0])
+    first = T // 2 if first is None else first
+    pos = evaluated_positions(T, first=first, stride=stride)
+    t0 = time.perf_counter()
+    if prefix is None:
+        prefix = forward(weights, tokens[:pos[-1] + 1], pairing=pairing, keep_kv=True, xp=xp)
+    exact_losses = _host(token_losses(weights, prefix.hidden[xp.asarray(pos)],
+                                           xp.asarray(tokens[pos + 1]), xp=xp))
+    t_prefix = time.perf_counter() - t0
+    f, stochastic = make_estimator(estimator, **options)
+    n_seeds = seeds if stochastic else 1
+    per_seed, secs, deltas_pos = [], [], []
+    for s in range(n_seeds):
+        t0 = time.perf_counter()
+        losses = _host(teacher_forced_losses(weights, tokens, pos, f, prefix, seed=s,
+                                                  pairing=pairing, cache_bytes=cache_bytes,
+                                                  xp=xp))
+        secs.append(time.perf_counter() - t0)
+        per_seed.append(float(losses.mean()))
+        deltas_pos.append(losses - exact_losses)
+    loss_exact = float(exact_losses.mean())
+    loss = float(np.mean(per_seed))
+    d = np.asarray(per_seed) - loss_exact
+    ci = float(_t975(n_seeds - 1) * d.std(ddof=1) / math.sqrt(n_seeds)) if n_seeds > 1 else math.nan
+    dpos = np.mean(deltas_pos, axis=0)
+    se_pos = float(dpos.std(ddof=1) / math.sqrt(dpos.size)) if dpos.size > 1 else math.nan
+    return EvalResult(play=play, n_tokens=T, n_positions=int(pos.size), estimator=estimator,
+                      options=dict(options), seeds=list(range(n_seeds)), loss_exact=loss_exact,
+                      ppl_exact=math.exp(loss_exact), loss_per_seed=per_seed, loss=loss,
+                      ppl=math.exp(loss), delta_loss=loss - loss_exact, delta_loss_ci95=ci,
+                      delta_loss_se_positions=se_pos, ppl_change=math.exp(loss - loss_exact) - 1,
+                      seconds_prefix=t_prefix, seconds_per_seed=secs)
+
+
+def _print(res: EvalResult, full_ppl=None):
+    opts = " ".join(f"{k}={v}" for k, v in res.options.items())
+    print(f"play {res.play}, {res.n_tokens} tokens, {res.n_positions} evaluated positions; "
+          f"{platform.processor() or platform.machine()}")
+    if full_ppl is not None:
+        print(f"exact perplexity over all {res.n_tokens - 1} predictions: {full_ppl:.3f}")
+    print(f"{'':28s} {'loss':>8s} {'ppl':>9s}")
+    print(f"{'exact':28s} {res.loss_exact:8.4f} {res.ppl_exact:9.3f}")
+    print(f"{(res.estimator + ' ' + opts)[:28]:28s} {res.loss:8.4f} {res.ppl:9.3f}")
+    ci = "" if math.isnan(res.delta_loss_ci95) else \
+        f" +- {res.delta_loss_ci95:.4f} (95% CI over {len(res.seeds)} seeds)"
+    print(f"change: loss {res.delta_loss:+.4f}{ci}, positions' paired s.e. "
+          f"{res.delta_loss_se_positions:.4f}; perplexity {100 * res.ppl_change:+.2f}%")
+    print(f"time: exact prefix {res.seconds_prefix:.1f} s, estimator "
+          f"{np.mean(res.seconds_per_seed):.1f} s per seed")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m bench.llm.evaluate",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--play", default="hamlet")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--first", type=int, default=None,
+                    help="first evaluated position (default T/2)")
+    ap.add_argument("--stride", type=int, default=4)
+    ap.add_argument("--estimator", default="santa", choices=ESTIMATORS)
+    ap.add_argument("--budget", type=int, default=128)
+    ap.add_argument("--p", type=float, default=0.95)
+    ap.add_argument("--sampler", default="systematic")
+    ap.add_argument("--schedule", default="prop")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--cache-mb", type=int, default=256)
+    ap.add_argument("--pairing", default="interleaved", choices=("interleaved", "half"))
+    ap.add_argument("--full-ppl", action="store_true",
+                    help="also print the exact perplexity over all tokens")
+    ap.add_argument("--json", help="write the result as JSON to this file")
+    ap.add_argument("--list-plays", action="store_true")
+    args = ap.parse_args(argv)
+    if args.list_plays:
+        from .texts import list_plays
+        print("\n".join(list_plays()))
+        return 0
+    opts = {"santa": dict(budget=args.budget, sampler=args.sampler, schedule=args.schedule),
+            "topk": dict(budget=args.budget), "quest": dict(budget=args.budget),
+            "top_p": dict(p=args.p), "sinkwindow": {}, "exact": {}}[args.estimator]
+    from .model import load_model
+
+    weights = load_model()
+    tokens = load_tokens(args.play, args.tokens)
+    t0 = time.perf_counter()
+    prefix = forward(weights, tokens, pairing=args.pairing, keep_kv=True)
+    t_fwd = time.perf_counter() - t0
+    full = None
+    if args.full_ppl:
+        full = math.exp(float(token_losses(weights, prefix.hidden[:-1], tokens[1:]).mean()))
+    res = evaluate(args.play, estimator=args.estimator, seeds=args.seeds, weights=weights,
+                   tokens=tokens, prefix=prefix, first=args.first, stride=args.stride,
+                   pairing=args.pairing, cache_bytes=args.cache_mb << 20, **opts)
+    res.seconds_prefix += t_fwd
+    _print(res, full)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(asdict(res), fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
