@@ -39,7 +39,7 @@ import numpy as np
 from .forward import forward, mlp, qkv, rope_tables, token_losses
 
 __all__ = ["ESTIMATORS", "EvalResult", "evaluate", "evaluated_positions", "load_tokens",
-           "make_estimator", "teacher_forced_losses"]
+           "make_estimator", "summarize_diagnostics", "teacher_forced_losses"]
 
 ESTIMATORS = ("exact", "santa", "topk", "quest", "top_p", "sinkwindow")
 
@@ -62,7 +62,7 @@ def _sink_window_attention(q, k, v, seq_lens, *, n_sink=4, window=64):
 
 
 def make_estimator(name, *, budget=128, p=0.95, sampler="systematic", schedule="prop",
-                   n_sink=4, window=64):
+                   n_sink=4, window=64, diagnostics=None):
     """An estimator ``f(q, k, v, seq_lens, *, seed, offset) -> out (P, Hq, D)``.
 
     Parameters
@@ -73,12 +73,53 @@ def make_estimator(name, *, budget=128, p=0.95, sampler="systematic", schedule="
         ``k_tokens = budget``; ``"quest"``: Quest with ``budget`` tokens (pages of 16);
         ``"top_p"``: oracle token top-p at ``p``; ``"sinkwindow"``: the first ``n_sink``
         and the last ``window`` tokens only; ``"exact"``: exact attention.
+    diagnostics : list, optional
+        If given, every call of a library estimator (santa, topk, quest, top_p) asks for
+        ``return_diagnostics=True`` and appends its :class:`stochattn.Diagnostics` here
+        (see :func:`summarize_diagnostics`); exact and sinkwindow append nothing.
 
     Returns
     -------
     (callable, bool)
         The estimator and whether it is stochastic.
     """
+    f, stochastic = _make_estimator(name, budget=budget, p=p, sampler=sampler,
+                                    schedule=schedule, n_sink=n_sink, window=window,
+                                    with_diagnostics=diagnostics is not None)
+    if diagnostics is None or name in ("exact", "sinkwindow"):
+        return f, stochastic
+
+    def collecting(q, k, v, lens, *, seed, offset):
+        out, diag = f(q, k, v, lens, seed=seed, offset=offset)
+        diagnostics.append(diag)
+        return out
+
+    return collecting, stochastic
+
+
+def summarize_diagnostics(diags):
+    """Means over every (position, KV head) row of every call in ``diags``.
+
+    Returns a dict with ``k_read_fraction`` and ``v_read_fraction`` (rows read / seq_len,
+    averaged over rows, so every evaluated position and layer weighs the same),
+    ``v_rows_read`` (mean count, union over the GQA group) and, where present, the mean
+    ``true_mass`` of the selected tokens (per query head). Empty dict for no calls.
+    """
+    if not diags:
+        return {}
+    kf = np.concatenate([d.k_read_fraction.ravel() for d in diags])
+    vf = np.concatenate([d.v_read_fraction.ravel() for d in diags])
+    vr = np.concatenate([d.v_rows_read.ravel() for d in diags])
+    out = {"k_read_fraction": float(kf.mean()), "v_read_fraction": float(vf.mean()),
+           "v_rows_read": float(vr.mean())}
+    if all(d.true_mass is not None for d in diags):
+        out["true_mass"] = float(np.concatenate([d.true_mass.ravel() for d in diags]).mean())
+    return out
+
+
+def _make_estimator(name, *, budget, p, sampler, schedule, n_sink, window, with_diagnostics):
+    """:func:`make_estimator` without the collection; library calls pass ``with_diagnostics``."""
+    rd = with_diagnostics
     if name == "exact":
         from stochattn.exact import exact_attention
         return (lambda q, k, v, lens, *, seed, offset: exact_attention(q, k, v, lens)), False
@@ -86,18 +127,19 @@ def make_estimator(name, *, budget=128, p=0.95, sampler="systematic", schedule="
         from stochattn.santa import santa_attention
         return (lambda q, k, v, lens, *, seed, offset: santa_attention(
             q, k, v, lens, budget=budget, sampler=sampler, schedule=schedule, seed=seed,
-            offset=offset)), True
+            offset=offset, return_diagnostics=rd)), True
     if name == "topk":
         from stochattn.baselines import topk_attention
         return (lambda q, k, v, lens, *, seed, offset: topk_attention(
-            q, k, v, lens, k_tokens=budget)), False
+            q, k, v, lens, k_tokens=budget, return_diagnostics=rd)), False
     if name == "quest":
         from stochattn.baselines import quest_attention
         return (lambda q, k, v, lens, *, seed, offset: quest_attention(
-            q, k, v, lens, budget=budget)), False
+            q, k, v, lens, budget=budget, return_diagnostics=rd)), False
     if name == "top_p":
         from stochattn.baselines import top_p_attention
-        return (lambda q, k, v, lens, *, seed, offset: top_p_attention(q, k, v, lens, p=p)), False
+        return (lambda q, k, v, lens, *, seed, offset: top_p_attention(
+            q, k, v, lens, p=p, return_diagnostics=rd)), False
     if name == "sinkwindow":
         return (lambda q, k, v, lens, *, seed, offset: _sink_window_attention(
             q, k, v, lens, n_sink=n_sink, window=window)), False
@@ -240,14 +282,20 @@ class EvalResult:
     delta_loss: float
     delta_loss_ci95: float          # half-width over seeds (NaN for one seed / deterministic)
     delta_loss_se_positions: float  # paired standard error over positions (seed mean)
+    # Standard error of the seed-mean change due to the estimator's randomness alone, pooled
+    # over positions: sqrt(sum_p var_seeds(loss_p) / n_seeds) / P (positions' draws are
+    # independent streams, so their variances add); P - ish degrees of freedom instead of
+    # n_seeds - 1. NaN for one seed / deterministic.
+    delta_loss_se_seeds_pooled: float
     ppl_change: float               # ppl / ppl_exact - 1
     seconds_prefix: float
     seconds_per_seed: list = field(default_factory=list)
+    diagnostics: dict = field(default_factory=dict)  # summarize_diagnostics, all seeds
 
 
 def evaluate(play="hamlet", *, n_tokens=2048, first=None, stride=4, estimator="santa",
              seeds=1, weights=None, tokens=None, prefix=None, pairing="interleaved",
-             cache_bytes=256 << 20, xp=np, **options):
+             cache_bytes=256 << 20, collect_diagnostics=False, xp=np, **options):
     """Exact vs estimator teacher-forced loss on one play.
 
     Parameters
@@ -265,6 +313,9 @@ def evaluate(play="hamlet", *, n_tokens=2048, first=None, stride=4, estimator="s
         Number of seeds (0, 1, ...) for a stochastic estimator; deterministic ones run once.
     weights, tokens, prefix : optional
         Reuse a loaded model, token array and exact pass (``keep_kv=True``).
+    collect_diagnostics : bool
+        Fill ``EvalResult.diagnostics`` with :func:`summarize_diagnostics` over every call
+        of every seed (fraction of K and V rows read, selected mass).
 
     Returns
     -------
@@ -285,7 +336,8 @@ def evaluate(play="hamlet", *, n_tokens=2048, first=None, stride=4, estimator="s
     exact_losses = _host(token_losses(weights, prefix.hidden[xp.asarray(pos)],
                                            xp.asarray(tokens[pos + 1]), xp=xp))
     t_prefix = time.perf_counter() - t0
-    f, stochastic = make_estimator(estimator, **options)
+    diags = [] if collect_diagnostics else None
+    f, stochastic = make_estimator(estimator, diagnostics=diags, **options)
     n_seeds = seeds if stochastic else 1
     per_seed, secs, deltas_pos = [], [], []
     for s in range(n_seeds):
@@ -301,13 +353,17 @@ def evaluate(play="hamlet", *, n_tokens=2048, first=None, stride=4, estimator="s
     d = np.asarray(per_seed) - loss_exact
     ci = float(_t975(n_seeds - 1) * d.std(ddof=1) / math.sqrt(n_seeds)) if n_seeds > 1 else math.nan
     dpos = np.mean(deltas_pos, axis=0)
+    se_pool = (float(math.sqrt(np.var(deltas_pos, axis=0, ddof=1).sum() / n_seeds) / dpos.size)
+               if n_seeds > 1 else math.nan)
     se_pos = float(dpos.std(ddof=1) / math.sqrt(dpos.size)) if dpos.size > 1 else math.nan
     return EvalResult(play=play, n_tokens=T, n_positions=int(pos.size), estimator=estimator,
                       options=dict(options), seeds=list(range(n_seeds)), loss_exact=loss_exact,
                       ppl_exact=math.exp(loss_exact), loss_per_seed=per_seed, loss=loss,
                       ppl=math.exp(loss), delta_loss=loss - loss_exact, delta_loss_ci95=ci,
-                      delta_loss_se_positions=se_pos, ppl_change=math.exp(loss - loss_exact) - 1,
-                      seconds_prefix=t_prefix, seconds_per_seed=secs)
+                      delta_loss_se_positions=se_pos, delta_loss_se_seeds_pooled=se_pool,
+                      ppl_change=math.exp(loss - loss_exact) - 1,
+                      seconds_prefix=t_prefix, seconds_per_seed=secs,
+                      diagnostics=summarize_diagnostics(diags) if diags is not None else {})
 
 
 def _print(res: EvalResult, full_ppl=None):
