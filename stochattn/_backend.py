@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["backend_of", "cuda_not_implemented", "require_cupy"]
+__all__ = ["backend_of", "cuda_not_implemented", "host_ints", "require_cupy"]
 
 
 def _kind(name: str, a) -> str:
@@ -63,3 +63,13 @@ def require_cupy(function: str) -> None:
             f"`{function}` got GPU arrays, and the CUDA backend needs CuPy: install "
             "stochattn[cuda13] (or stochattn[cuda12])"
         ) from e
+
+
+def host_ints(a) -> np.ndarray:
+    """Integer values on the host as int64: a device-to-host copy for CuPy and torch arrays
+    (used by diagnostics only, which are allowed to synchronise)."""
+    if hasattr(a, "get"):
+        a = a.get()
+    elif hasattr(a, "cpu"):
+        a = a.cpu()
+    return np.asarray(a).astype(np.int64)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _validation as val
-from ._backend import backend_of, require_cupy
+from ._backend import backend_of, host_ints, require_cupy
 from .diagnostics import Diagnostics
 from .reference import exact as _ref
 from .reference.common import finish, lengths
@@ -78,16 +78,8 @@ def _exact_cuda(q, k, v, seq_lens, softmax_scale, check_finite, return_diagnosti
     if not return_diagnostics:
         return out
     B, Hkv, N = int(k.shape[0]), int(k.shape[1]), int(k.shape[2])
-    lens = np.full(B, N, dtype=np.int64) if seq_lens is None else _host_ints(seq_lens)
+    lens = np.full(B, N, dtype=np.int64) if seq_lens is None else host_ints(seq_lens)
     rows = np.repeat(lens[:, None], Hkv, axis=1)
     return out, Diagnostics(seq_lens=lens, k_rows_read=rows, v_rows_read=rows.copy(),
                             true_mass=(lens[:, None] > 0) * np.ones((B, int(q.shape[1]))))
 
-
-def _host_ints(a) -> np.ndarray:
-    """Integer values on the host (a device copy for GPU arrays: diagnostics only)."""
-    if hasattr(a, "get"):
-        return np.asarray(a.get()).astype(np.int64)
-    if hasattr(a, "cpu"):
-        return np.asarray(a.cpu()).astype(np.int64)
-    return np.asarray(a).astype(np.int64)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _validation as val
-from ._backend import backend_of, cuda_not_implemented, require_cupy
+from ._backend import backend_of, cuda_not_implemented, host_ints, require_cupy
 from .diagnostics import Diagnostics
 from .reference import santa as _ref
 from .reference.common import finish, lengths, union_rows_per_kv_head
@@ -174,18 +174,12 @@ def _santa_cuda(q, k, v, seq_lens, budget, sampler, schedule, tile_size, seed, o
         return res
     out, idx = res
     # Diagnostics copy the sampled indices to the host (a synchronisation).
-    idx = np.asarray(idx.get() if hasattr(idx, "get") else idx.cpu())
-    B, Hq, S = idx.shape
+    idx = host_ints(idx)
+    B = idx.shape[0]
     Hkv, N = int(k.shape[1]), int(k.shape[2])
-    lens = np.full(B, N, dtype=np.int64) if seq_lens is None else np.asarray(
-        seq_lens.get() if hasattr(seq_lens, "get") else
-        (seq_lens.cpu() if hasattr(seq_lens, "cpu") else seq_lens)).astype(np.int64)
-    read = np.zeros((B, Hq, N), dtype=bool)
-    b_i, h_i = np.meshgrid(np.arange(B), np.arange(Hq), indexing="ij")
-    valid = lens[:, None, None] > 0
-    read[np.broadcast_to(b_i[..., None], idx.shape)[np.broadcast_to(valid, idx.shape)],
-         np.broadcast_to(h_i[..., None], idx.shape)[np.broadcast_to(valid, idx.shape)],
-         idx[np.broadcast_to(valid, idx.shape)]] = True
-    return out, Diagnostics(seq_lens=lens,
-                            k_rows_read=np.repeat(lens[:, None], Hkv, axis=1),
-                            v_rows_read=union_rows_per_kv_head(read, Hkv))
+    lens = np.full(B, N, dtype=np.int64) if seq_lens is None else host_ints(seq_lens)
+    groups = idx.reshape(B, Hkv, -1)  # the draws of every query head of a KV group
+    v_rows = np.array([[np.unique(groups[b, h]).size if lens[b] > 0 else 0 for h in range(Hkv)]
+                       for b in range(B)], dtype=np.int64)
+    return out, Diagnostics(seq_lens=lens, k_rows_read=np.repeat(lens[:, None], Hkv, axis=1),
+                            v_rows_read=v_rows)
