@@ -52,7 +52,24 @@ GRID = (
     + [(f"topk-{k}", "oracle top-k", "topk", dict(budget=k)) for k in (16, 64, 256)]
     + [(f"quest-{b}", "Quest", "quest", dict(budget=b)) for b in (64, 256)]
     + [(f"top_p-{p}", "oracle top-p", "top_p", dict(p=p)) for p in (0.9, 0.95, 0.99)]
+    # Double-P on the decode-faithful index (bench.llm.evaluate.decode_index: k-means of the
+    # prompt [0, first position), prompt_len // 16 clusters, 10 iterations, grown by append).
+    + [(f"doublep-{p1}-{p2}", "Double-P centroid", "doublep", dict(p1=p1, p2=p2))
+       for p1, p2 in ((0.8, 0.5), (0.9, 0.6), (0.95, 0.7), (0.99, 0.8))]
+    + [(f"doublep-sample-0.95-0.7-{S}", "Double-P sample", "doublep",
+        dict(p1=0.95, p2=0.7, approx="sample", budget=S)) for S in (16, 64, 256)]
+    + [(f"cluster_topk-{c}", "top-k clusters", "cluster_topk", dict(clusters=c))
+       for c in (2, 4, 8, 16)]
+    # A finer index: prompt_len // 4 clusters (256 at a 1024-token prompt, ~4 tokens each).
+    + [(f"doublep-fine-{p1}-{p2}", "Double-P centroid, N/4 clusters", "doublep",
+        dict(p1=p1, p2=p2, cluster_ratio=4)) for p1, p2 in ((0.9, 0.6), (0.95, 0.7), (0.99, 0.8))]
+    + [(f"cluster_topk-fine-{c}", "top-k clusters, N/4 clusters", "cluster_topk",
+        dict(clusters=c, cluster_ratio=4)) for c in (8, 32)]
 )
+
+
+def _stochastic(est, opts):
+    return est == "santa" or (est == "doublep" and opts.get("approx") == "sample")
 
 # Student's t quantile t_{0.975, df}, df = 1..10 (more seeds than 11 are not run here).
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
@@ -81,10 +98,12 @@ def combine(runs):
         se_pool = (float(math.sqrt(sum(r["delta_loss_se_seeds_pooled"] ** 2 for r in rs))
                          / len(rs)) if n_seeds > 1 else None)
         diag = {key: float(np.mean([r["diagnostics"][key] for r in rs]))
-                for key in ("k_read_fraction", "v_read_fraction", "v_rows_read", "true_mass")
+                for key in ("k_read_fraction", "v_read_fraction", "v_rows_read", "k_rows_read",
+                            "true_mass", "estimated_mass", "clusters_selected",
+                            "clusters_exact", "tokens_exact")
                 if all(key in r["diagnostics"] for r in rs)}
         rows.append(dict(label=label, family=family, estimator=est, options=opts,
-                         stochastic=est == "santa", seeds=n_seeds, plays=plays,
+                         stochastic=_stochastic(est, opts), seeds=n_seeds, plays=plays,
                          delta_loss=delta, delta_loss_ci95=ci,
                          delta_loss_ci95_pooled=1.96 * se_pool if se_pool is not None else None,
                          delta_loss_per_seed=[float(x) for x in per_seed],
@@ -103,7 +122,10 @@ def markdown_table(data):
     for r in data["rows"]:
         o = r["options"]
         setting = {"santa": lambda: f"S = {o['budget']}", "topk": lambda: f"k = {o['budget']}",
-                   "quest": lambda: f"budget {o['budget']}", "top_p": lambda: f"p = {o['p']}"
+                   "quest": lambda: f"budget {o['budget']}", "top_p": lambda: f"p = {o['p']}",
+                   "doublep": lambda: f"p1 = {o['p1']}, p2 = {o['p2']}" + (
+                       f", S = {o['budget']}" if o.get("approx") == "sample" else ""),
+                   "cluster_topk": lambda: f"{o['clusters']} clusters",
                    }.get(r["estimator"], lambda: "")()
         ci = f"+- {r['delta_loss_ci95']:.4f}" if r.get("delta_loss_ci95") is not None else "-"
         cip = (f"+- {r['delta_loss_ci95_pooled']:.4f}"

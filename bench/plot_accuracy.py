@@ -9,7 +9,9 @@ Reads the ``rows`` of the JSON written by :mod:`bench.accuracy`: one line per es
 family (x: mean fraction of V rows read per (position, KV head, layer), log scale; y: change
 of the mean next-token loss against exact attention, nats per token), error bars on the
 stochastic estimators (95% interval of the estimator's randomness, seeds pooled over
-positions), every point labelled with its setting.
+positions), every point labelled with its setting; the Double-P and cluster top-k labels add the
+fraction of K rows read (``K31%``), which for them is below 100% (SANTA and the oracle
+selections read every key, Quest as many K as V rows).
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ _STYLE = {
     "oracle top-k": dict(color="#d62728", marker="D"),
     "Quest": dict(color="#ff7f0e", marker="v"),
     "oracle top-p": dict(color="#2ca02c", marker="P"),
+    "Double-P centroid": dict(color="#8c564b", marker="X"),
+    "Double-P sample": dict(color="#e377c2", marker="*"),
+    "top-k clusters": dict(color="#7f7f7f", marker="h"),
+    "Double-P centroid, N/4 clusters": dict(color="#8c564b", marker="X", ls="--", mfc="none"),
+    "top-k clusters, N/4 clusters": dict(color="#7f7f7f", marker="h", ls="--", mfc="none"),
 }
 
 
@@ -40,7 +47,14 @@ def _setting(row):
         return f"b={o['budget']}"
     if row["estimator"] == "top_p":
         return f"p={o['p']}"
-    return ""
+    if row["estimator"] == "doublep":
+        s = f"S={o['budget']}" if o.get("approx") == "sample" else f"{o['p1']}/{o['p2']}"
+    elif row["estimator"] == "cluster_topk":
+        s = f"{o['clusters']} cl"
+    else:
+        return ""
+    # These read only part of K: show how much (SANTA and the oracles read every key).
+    return s + f" K{100 * row.get('k_read_fraction', 1):.0f}%"
 
 
 def plot(data, out, *, linthresh=0.003, dpi=110):
@@ -52,7 +66,7 @@ def plot(data, out, *, linthresh=0.003, dpi=110):
     import matplotlib.ticker
 
     rows = [r for r in data["rows"] if "v_read_fraction" in r]
-    fig, ax = plt.subplots(figsize=(8.2, 5.4), dpi=dpi)
+    fig, ax = plt.subplots(figsize=(11.0, 5.8), dpi=dpi)
     families = list(dict.fromkeys(r["family"] for r in rows))
     for fam in families:
         rs = sorted((r for r in rows if r["family"] == fam), key=lambda r: r["v_read_fraction"])
@@ -65,9 +79,11 @@ def plot(data, out, *, linthresh=0.003, dpi=110):
         label = fam + (f" ({rs[0]['seeds']} seeds)" if rs[0].get("stochastic") else "")
         ax.errorbar(x, y, yerr=err if any(err) else None, label=label, capsize=3, lw=1.4,
                     ms=6, **style)
-        for r, xi, yi in zip(rs, x, y):
-            ax.annotate(_setting(r), (xi, yi), textcoords="offset points", xytext=(5, 4),
-                        fontsize=7.5, color=style.get("color", "k"))
+        for i, (r, xi, yi) in enumerate(zip(rs, x, y)):
+            # Alternate above / below: neighbouring points of a family are close in x.
+            ax.annotate(_setting(r), (xi, yi), textcoords="offset points",
+                        xytext=(5, 4 if i % 2 == 0 else -11), fontsize=7,
+                        color=style.get("color", "k"))
     ax.axhline(0.0, color="0.4", lw=0.8, ls="--")
     ax.set_xscale("log")
     ticks = [t for t in (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
@@ -90,7 +106,9 @@ def plot(data, out, *, linthresh=0.003, dpi=110):
                  f"(seeds, pooled over positions); not the positions' sampling",
                  fontsize=9)
     ax.grid(True, which="both", alpha=0.25)
-    ax.legend(fontsize=8, loc="lower left")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              title="K n% in a label: fraction of K\nrows read (the others read\nevery key; "
+                    "Quest: K = V).\nDouble-P sample: p1/p2 = 0.95/0.7", title_fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=dpi)
     plt.close(fig)

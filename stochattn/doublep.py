@@ -74,6 +74,70 @@ class DoublePIndex:
         s = self.sizes[..., None].astype(np.float64)
         return np.divide(self.value_sums, s, out=np.zeros_like(self.value_sums), where=s > 0)
 
+    @classmethod
+    def stack(cls, indexes) -> "DoublePIndex":
+        """Concatenate indexes along the batch axis into a new, independent index.
+
+        Replicating one index (``DoublePIndex.stack([index] * n)``) or stacking copies of a
+        growing index gives a batch whose entries then evolve separately under
+        :meth:`append`; ``DoublePIndex.stack([index])`` is a deep copy. The label arrays
+        are padded with -1 to the longest cache.
+
+        Parameters
+        ----------
+        indexes : sequence of DoublePIndex
+            At least one; all with the same ``n_sink``, ``window``, ``n_clusters``, KV heads
+            and head dim.
+
+        Returns
+        -------
+        DoublePIndex
+            Batch ``sum(index.batch)``, entries in order; every array is a new copy.
+
+        Raises
+        ------
+        TypeError
+            An element that is not a DoublePIndex.
+        ValueError
+            No index, or indexes with different construction parameters or shapes.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from stochattn.doublep import DoublePIndex, build_doublep_index
+        >>> rng = np.random.default_rng(0)
+        >>> k = rng.standard_normal((1, 2, 300, 16)); v = rng.standard_normal((1, 2, 300, 16))
+        >>> index = build_doublep_index(k, v, n_clusters=16)
+        >>> DoublePIndex.stack([index] * 3).centroids.shape
+        (3, 2, 16, 16)
+        """
+        indexes = list(indexes)
+        if not indexes:
+            raise ValueError("`indexes` must hold at least one DoublePIndex, got none")
+        for i, ix in enumerate(indexes):
+            if not isinstance(ix, DoublePIndex):
+                raise TypeError(f"`indexes[{i}]` must be a DoublePIndex, got {type(ix).__name__}")
+        first = indexes[0]
+        expected = (first.n_sink, first.window, first.n_clusters, first.centroids.shape[1:])
+        for i, ix in enumerate(indexes):
+            got = (ix.n_sink, ix.window, ix.n_clusters, ix.centroids.shape[1:])
+            if got != expected:
+                raise ValueError(
+                    f"`indexes[{i}]` must match indexes[0] (n_sink, window, n_clusters, "
+                    f"(kv_heads, clusters, head_dim)) {expected}, got {got}"
+                )
+        N = max(ix.labels.shape[-1] for ix in indexes)
+        labels = []
+        for ix in indexes:  # pad every label array with -1 (no cluster) to the longest cache
+            lab = np.full(ix.labels.shape[:2] + (N,), -1, dtype=ix.labels.dtype)
+            lab[..., :ix.labels.shape[-1]] = ix.labels
+            labels.append(lab)
+        cat = lambda name: np.concatenate([getattr(ix, name) for ix in indexes], axis=0)
+        return cls(centroids=cat("centroids"), sizes=cat("sizes"), value_sums=cat("value_sums"),
+                   labels=np.concatenate(labels, axis=0), seq_lens=cat("seq_lens"),
+                   window_start=cat("window_start"), n_sink=first.n_sink, window=first.window,
+                   n_clusters=first.n_clusters, n_initialized=cat("n_initialized"))
+
     def csr(self):
         """Tokens grouped by cluster, the layout a GPU kernel reads contiguously.
 

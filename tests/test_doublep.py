@@ -16,7 +16,8 @@ from stats import assert_unbiased
 from strategies import decode_inputs
 from test_kmeans import check_index_invariants, check_nearest
 
-from stochattn.doublep import build_doublep_index, cluster_topk_attention, doublep_attention
+from stochattn.doublep import (DoublePIndex, build_doublep_index, cluster_topk_attention,
+                               doublep_attention)
 from stochattn.reference.doublep import cluster_scores
 from stochattn.reference.exact import attention_weights, exact_attention
 from stochattn.reference.rng import PURPOSE_CLUSTER_SAMPLER
@@ -412,6 +413,66 @@ def test_append_errors():
     np.testing.assert_array_equal(index.seq_lens, [10, 12])  # failed appends changed nothing
     index.append(k, k, None)  # None: the whole cache
     np.testing.assert_array_equal(index.seq_lens, [20, 20])
+
+
+@given(append_case(), probabilities, probabilities)
+@settings(max_examples=30)
+def test_stack_equals_its_parts(case, p1, p2):
+    """DoublePIndex.stack: entries are the parts (labels padded with -1), Double-P on the
+    stack equals Double-P on each part bit for bit, the stack is a copy (appending to it
+    leaves the parts alone), and appending to it equals appending to each part."""
+    k, v, L0, L1, N0, kw = case
+    B = k.shape[0]
+    # Parts built on caches of different lengths: the stack must pad the labels.
+    Ns = [max(N0 - b, int(L0[b]), 1) for b in range(B)]
+    kw = dict(kw, n_clusters=min(kw["n_clusters"], min(Ns)))
+    parts = [build_doublep_index(k[b:b + 1, :, :Ns[b]], v[b:b + 1, :, :Ns[b]], L0[b:b + 1], **kw)
+             for b in range(B)]
+    stacked = DoublePIndex.stack(parts + parts[:1])  # the first part twice
+    assert stacked.labels.shape == (B + 1, k.shape[1], max(Ns))
+    for b, part in enumerate(parts + parts[:1]):
+        n = part.labels.shape[-1]
+        np.testing.assert_array_equal(stacked.labels[b, :, :n], part.labels[0])
+        assert np.all(stacked.labels[b, :, n:] == -1)
+        for name in ("centroids", "sizes", "value_sums", "seq_lens", "window_start",
+                     "n_initialized"):
+            np.testing.assert_array_equal(getattr(stacked, name)[b], getattr(part, name)[0])
+    kk = np.concatenate([k, k[:1]])
+    vv = np.concatenate([v, v[:1]])
+    q = np.random.default_rng(3).standard_normal((B + 1, 2 * k.shape[1], k.shape[3]))
+    L0e = np.concatenate([L0, L0[:1]])
+    out = doublep_attention(q, kk, vv, L0e, index=stacked, p1=p1, p2=p2)
+    for b, part in enumerate(parts + parts[:1]):
+        np.testing.assert_array_equal(
+            out[b:b + 1], doublep_attention(q[b:b + 1], kk[b:b + 1], vv[b:b + 1], L0e[b:b + 1],
+                                            index=part, p1=p1, p2=p2))
+    before = [DoublePIndex.stack([part]) for part in parts]  # deep copies
+    LL = np.concatenate([L1, L0[:1]])
+    stacked.append(kk, vv, LL)
+    for part, copy in zip(parts, before):  # the parts did not move
+        for name in ("centroids", "sizes", "value_sums", "labels", "seq_lens"):
+            np.testing.assert_array_equal(getattr(part, name), getattr(copy, name))
+    for b, part in enumerate(parts + [before[0]]):
+        part.append(kk[b:b + 1], vv[b:b + 1], LL[b:b + 1])
+        for name in ("centroids", "sizes", "value_sums", "labels", "window_start",
+                     "n_initialized"):
+            np.testing.assert_array_equal(getattr(stacked, name)[b], getattr(part, name)[0],
+                                          err_msg=name)
+
+
+def test_stack_errors():
+    k = np.random.default_rng(4).standard_normal((1, 2, 20, 4))
+    a = build_doublep_index(k, k, n_clusters=3, n_sink=1, window=2)
+    with pytest.raises(ValueError, match="`indexes` must hold at least one DoublePIndex"):
+        DoublePIndex.stack([])
+    with pytest.raises(TypeError, match=r"`indexes\[1\]` must be a DoublePIndex, got dict"):
+        DoublePIndex.stack([a, {}])
+    for other in (build_doublep_index(k, k, n_clusters=4, n_sink=1, window=2),
+                  build_doublep_index(k, k, n_clusters=3, n_sink=2, window=2),
+                  build_doublep_index(k, k, n_clusters=3, n_sink=1, window=3),
+                  build_doublep_index(k[:, :1], k[:, :1], n_clusters=3, n_sink=1, window=2)):
+        with pytest.raises(ValueError, match=r"`indexes\[1\]` must match indexes\[0\]"):
+            DoublePIndex.stack([a, other])
 
 
 # ---- fixed top-k clusters ---------------------------------------------------------------

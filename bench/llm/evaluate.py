@@ -16,6 +16,15 @@ inputs of the evaluated positions only. The estimator is called on
 ``q (P, Hq, D)``, ``k, v (P, Hkv, N, D)``, ``seq_lens = p + 1`` for chunks of positions
 (a handful of calls per layer; ``--cache-mb`` bounds the size of one call's K/V).
 
+Double-P and fixed top-k clusters need a k-means index, which a decode builds once at the
+prefill and grows with :meth:`stochattn.doublep.DoublePIndex.append`. Per layer and chunk,
+:func:`decode_index` does the same: one index (batch 1) on the exact keys/values of the
+prompt ``[0, first evaluated position)``, ``prompt // cluster_ratio`` clusters (default
+16: 64 clusters at a 1024-token prompt), grown token by token to each evaluated length
+(tokens leaving the window join their nearest centroid) and stacked into a batch index.
+The index depends on the exact cache only (absorbed tokens are older than the window), so
+it is the one a decode over the exact prefix would hold.
+
 Output: the mean loss ``-log p(token[p+1])`` over the evaluated positions and its
 perplexity, for exact attention (from the exact pass) and for the estimator, and the change.
 For stochastic estimators the loss is averaged over ``--seeds`` seeds (seed = 0, 1, ...;
@@ -38,10 +47,11 @@ import numpy as np
 
 from .forward import forward, mlp, qkv, rope_tables, token_losses
 
-__all__ = ["ESTIMATORS", "EvalResult", "evaluate", "evaluated_positions", "load_tokens",
+__all__ = ["ESTIMATORS", "EvalResult", "decode_index", "evaluate", "evaluated_positions", "load_tokens",
            "make_estimator", "summarize_diagnostics", "teacher_forced_losses"]
 
-ESTIMATORS = ("exact", "santa", "topk", "quest", "top_p", "sinkwindow")
+ESTIMATORS = ("exact", "santa", "topk", "quest", "top_p", "sinkwindow", "doublep",
+              "cluster_topk")
 
 
 def _sink_window_attention(q, k, v, seq_lens, *, n_sink=4, window=64):
@@ -62,7 +72,8 @@ def _sink_window_attention(q, k, v, seq_lens, *, n_sink=4, window=64):
 
 
 def make_estimator(name, *, budget=128, p=0.95, sampler="systematic", schedule="prop",
-                   n_sink=4, window=64, diagnostics=None):
+                   n_sink=4, window=64, p1=0.95, p2=0.7, approx="centroid", clusters=8,
+                   prefill=None, cluster_ratio=16, kmeans_iterations=10, diagnostics=None):
     """An estimator ``f(q, k, v, seq_lens, *, seed, offset) -> out (P, Hq, D)``.
 
     Parameters
@@ -72,7 +83,16 @@ def make_estimator(name, *, budget=128, p=0.95, sampler="systematic", schedule="
         the given ``sampler`` / ``schedule`` (stochastic); ``"topk"``: oracle top-k with
         ``k_tokens = budget``; ``"quest"``: Quest with ``budget`` tokens (pages of 16);
         ``"top_p"``: oracle token top-p at ``p``; ``"sinkwindow"``: the first ``n_sink``
-        and the last ``window`` tokens only; ``"exact"``: exact attention.
+        and the last ``window`` tokens only; ``"exact"``: exact attention;
+        ``"doublep"``: :func:`stochattn.doublep.doublep_attention` at ``p1``, ``p2``,
+        ``approx`` (``"sample"``: ``budget`` draws, ``sampler``; stochastic);
+        ``"cluster_topk"``: :func:`stochattn.doublep.cluster_topk_attention` with
+        ``clusters`` clusters. Both on the decode-faithful index of :func:`decode_index`
+        (``prefill``, ``cluster_ratio``, ``kmeans_iterations``; sinks ``n_sink``, window
+        ``window``).
+    prefill : int
+        Required by ``"doublep"`` / ``"cluster_topk"``: the prompt length whose exact keys
+        the k-means index is built on (:func:`evaluate` passes the first evaluated position).
     diagnostics : list, optional
         If given, every call of a library estimator (santa, topk, quest, top_p) asks for
         ``return_diagnostics=True`` and appends its :class:`stochattn.Diagnostics` here
@@ -85,6 +105,9 @@ def make_estimator(name, *, budget=128, p=0.95, sampler="systematic", schedule="
     """
     f, stochastic = _make_estimator(name, budget=budget, p=p, sampler=sampler,
                                     schedule=schedule, n_sink=n_sink, window=window,
+                                    p1=p1, p2=p2, approx=approx, clusters=clusters,
+                                    prefill=prefill, cluster_ratio=cluster_ratio,
+                                    kmeans_iterations=kmeans_iterations,
                                     with_diagnostics=diagnostics is not None)
     if diagnostics is None or name in ("exact", "sinkwindow"):
         return f, stochastic
@@ -102,8 +125,10 @@ def summarize_diagnostics(diags):
 
     Returns a dict with ``k_read_fraction`` and ``v_read_fraction`` (rows read / seq_len,
     averaged over rows, so every evaluated position and layer weighs the same),
-    ``v_rows_read`` (mean count, union over the GQA group) and, where present, the mean
-    ``true_mass`` of the selected tokens (per query head). Empty dict for no calls.
+    ``v_rows_read`` / ``k_rows_read`` (mean counts, union over the GQA group) and, where
+    present, per query head means of ``true_mass`` (of the selected tokens),
+    ``estimated_mass``, ``clusters_selected``, ``clusters_exact`` and ``tokens_exact``.
+    Empty dict for no calls.
     """
     if not diags:
         return {}
@@ -112,14 +137,79 @@ def summarize_diagnostics(diags):
     vr = np.concatenate([d.v_rows_read.ravel() for d in diags])
     out = {"k_read_fraction": float(kf.mean()), "v_read_fraction": float(vf.mean()),
            "v_rows_read": float(vr.mean())}
-    if all(d.true_mass is not None for d in diags):
-        out["true_mass"] = float(np.concatenate([d.true_mass.ravel() for d in diags]).mean())
+    # Per query head, where the estimator reports them (Double-P, cluster top-k).
+    for key in ("true_mass", "estimated_mass", "clusters_selected", "clusters_exact",
+                "tokens_exact"):
+        if all(getattr(d, key) is not None for d in diags):
+            out[key] = float(np.concatenate([getattr(d, key).ravel() for d in diags]).mean())
+    k_only = [d.k_rows_read.ravel() for d in diags]
+    out["k_rows_read"] = float(np.concatenate(k_only).mean())
     return out
 
 
-def _make_estimator(name, *, budget, p, sampler, schedule, n_sink, window, with_diagnostics):
+def decode_index(k, v, seq_lens, *, prefill, n_clusters, iterations=10, n_sink=4, window=64,
+                 seed=0):
+    """The Double-P index a decode would hold at each row's length, as a batch index.
+
+    One k-means index (batch 1) is built on the exact keys/values ``[0, prefill)`` of row 0
+    (the prompt); it is then grown with :meth:`stochattn.doublep.DoublePIndex.append`
+    through the rows' lengths in increasing order (tokens leaving the window join their
+    nearest centroid, as in decode), and a copy is taken at each row's length. The
+    absorbed tokens of row i are positions ``< seq_lens[i] - window``, read from row i's
+    cache, so they must be exact there: in :func:`teacher_forced_losses` only the last
+    position of a row (inside the window) comes from the row's own stream.
+
+    Parameters
+    ----------
+    k, v : ndarray (P, Hkv, N, D)
+    seq_lens : int array (P,)
+        Non-decreasing, each > ``prefill``.
+    prefill, n_clusters, iterations, n_sink, window, seed
+        Of :func:`stochattn.doublep.build_doublep_index`.
+
+    Returns
+    -------
+    DoublePIndex with batch P and ``seq_lens`` equal to ``seq_lens``.
+    """
+    from stochattn.doublep import DoublePIndex, build_doublep_index
+
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    if np.any(np.diff(lens) < 0) or lens[0] <= prefill:
+        raise ValueError(f"`seq_lens`: expected non-decreasing and > prefill {prefill}, "
+                         f"got {lens.tolist()}")
+    index = build_doublep_index(k[:1, :, :prefill], v[:1, :, :prefill], n_clusters=n_clusters,
+                                iterations=iterations, n_sink=n_sink, window=window, seed=seed)
+    snaps = []
+    for i, L in enumerate(lens):
+        index.append(k[i:i + 1], v[i:i + 1], lens[i:i + 1])
+        snaps.append(DoublePIndex.stack([index]))  # a copy at this row's length
+    return DoublePIndex.stack(snaps)
+
+
+def _make_estimator(name, *, budget, p, sampler, schedule, n_sink, window, p1, p2, approx,
+                    clusters, prefill, cluster_ratio, kmeans_iterations, with_diagnostics):
     """:func:`make_estimator` without the collection; library calls pass ``with_diagnostics``."""
     rd = with_diagnostics
+    if name in ("doublep", "cluster_topk"):
+        from stochattn.doublep import cluster_topk_attention, doublep_attention
+
+        if prefill is None:
+            raise ValueError(f"`prefill`: required by estimator {name!r}, got None")
+        n_clusters = max(1, prefill // cluster_ratio)
+
+        def index_of(k, v, lens):
+            return decode_index(k, v, lens, prefill=prefill, n_clusters=n_clusters,
+                                iterations=kmeans_iterations, n_sink=n_sink, window=window)
+
+        if name == "cluster_topk":
+            return (lambda q, k, v, lens, *, seed, offset: cluster_topk_attention(
+                q, k, v, lens, index=index_of(k, v, lens), clusters=clusters,
+                return_diagnostics=rd)), False
+        b = budget if approx == "sample" else None
+        return (lambda q, k, v, lens, *, seed, offset: doublep_attention(
+            q, k, v, lens, index=index_of(k, v, lens), p1=p1, p2=p2, approx=approx, budget=b,
+            sampler=sampler, seed=seed, offset=offset, return_diagnostics=rd)), \
+            approx == "sample"
     if name == "exact":
         from stochattn.exact import exact_attention
         return (lambda q, k, v, lens, *, seed, offset: exact_attention(q, k, v, lens)), False
@@ -337,6 +427,8 @@ def evaluate(play="hamlet", *, n_tokens=2048, first=None, stride=4, estimator="s
                                            xp.asarray(tokens[pos + 1]), xp=xp))
     t_prefix = time.perf_counter() - t0
     diags = [] if collect_diagnostics else None
+    if estimator in ("doublep", "cluster_topk"):
+        options.setdefault("prefill", int(pos[0]))  # the prompt: tokens before the first
     f, stochastic = make_estimator(estimator, diagnostics=diags, **options)
     n_seeds = seeds if stochastic else 1
     per_seed, secs, deltas_pos = [], [], []
@@ -396,6 +488,11 @@ def main(argv=None):
     ap.add_argument("--p", type=float, default=0.95)
     ap.add_argument("--sampler", default="systematic")
     ap.add_argument("--schedule", default="prop")
+    ap.add_argument("--p1", type=float, default=0.95, help="doublep stage 1 threshold")
+    ap.add_argument("--p2", type=float, default=0.7, help="doublep stage 2 threshold")
+    ap.add_argument("--approx", default="centroid", choices=("centroid", "sample"),
+                    help="doublep: C_approx as centroids or --budget SANTA draws")
+    ap.add_argument("--clusters", type=int, default=8, help="cluster_topk: clusters kept")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--cache-mb", type=int, default=256)
     ap.add_argument("--pairing", default="interleaved", choices=("interleaved", "half"))
@@ -410,7 +507,10 @@ def main(argv=None):
         return 0
     opts = {"santa": dict(budget=args.budget, sampler=args.sampler, schedule=args.schedule),
             "topk": dict(budget=args.budget), "quest": dict(budget=args.budget),
-            "top_p": dict(p=args.p), "sinkwindow": {}, "exact": {}}[args.estimator]
+            "top_p": dict(p=args.p), "sinkwindow": {}, "exact": {},
+            "doublep": dict(p1=args.p1, p2=args.p2, approx=args.approx,
+                            **(dict(budget=args.budget) if args.approx == "sample" else {})),
+            "cluster_topk": dict(clusters=args.clusters)}[args.estimator]
     from .model import load_model
 
     weights = load_model()
