@@ -9,23 +9,7 @@ from __future__ import annotations
 
 import gc
 
-import numpy as np
-
-
-def steady_us(fn, torch, batches=5, reps=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(batches):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) * 1e3 / reps)
-    return float(np.median(out))
+from bench.tune_decode import time_steady
 
 
 def main():
@@ -36,7 +20,7 @@ def main():
 
     x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
-    bw = 2 * x.numel() / (steady_us(lambda: y.copy_(x), torch, 3, 5) * 1e-6)
+    bw = 2 * x.numel() / (time_steady(lambda: y.copy_(x), batches=3, calls=5) * 1e-6)
     del x, y
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
     for B, N in ((1, 131072), (8, 32768), (32, 32768)):
@@ -45,14 +29,14 @@ def main():
         v = torch.randn_like(k)
         floor_k = k.numel() * 2 / bw * 1e6
         for S in (256, 2048):
-            both = steady_us(lambda: santa_prop(q, k, v, budget=S, seed=1), torch)
+            both = time_steady(lambda: santa_prop(q, k, v, budget=S, seed=1))
             plan = next(o for o in gc.get_objects() if isinstance(o, cs._PropPlan)
                         and o.shape.batch == B and o.shape.tokens == N and o.S == S)
             p1, p2 = plan.pass1, plan.pass2
             plan.pass2 = lambda *a, **kw: None
-            only1 = steady_us(lambda: santa_prop(q, k, v, budget=S, seed=1), torch)
+            only1 = time_steady(lambda: santa_prop(q, k, v, budget=S, seed=1))
             plan.pass2, plan.pass1 = p2, (lambda *a, **kw: None)
-            only2 = steady_us(lambda: santa_prop(q, k, v, budget=S, seed=1), torch)
+            only2 = time_steady(lambda: santa_prop(q, k, v, budget=S, seed=1))
             plan.pass1 = p1
             print(f"B={B:3d} N={N:6d} S={S:5d}: both {both:7.1f} us | pass1 {only1:7.1f} | "
                   f"pass2 {only2:7.1f} | K floor {floor_k:6.1f} | chunks {plan.chunks}")
