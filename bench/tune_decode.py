@@ -17,7 +17,7 @@ config's ``-D`` options, fp16 instantiations only), then:
    B=1 N=131072, B=8 N=32768, B=32 N=32768 (Gaussian K/V made on the GPU), and
    S²ANTA-prop systematic S=256 tile 64 at B=8 N=32768. torch SDPA (fp16) is timed too.
 
-Floors: bytes of K+V (K alone for S²ANTA-prop's pass 1) over the device-to-device copy
+Floors: bytes of K+V (K alone for S²ANTA-prop's logits kernel) over the device-to-device copy
 bandwidth measured here (2 GB torch copy, bytes read plus written).
 
 Prints one table per shape sorted by time, then the best configuration per shape and the

@@ -101,7 +101,7 @@ class TileConfig:
         if family == "exact_decode":  # K+V stages, reused by the cross-warp merge
             merge = (2 + head_dim) * (self.threads // 32) * gmax * 4
             return max(self.stages * 2 * self.stage_bytes, merge)
-        if family == "santa_prop":  # K stages (the logit buffer is static)
+        if family == "santa_prop":  # K stages
             return self.stages * self.stage_bytes
         raise KeyError(family)
 
@@ -191,10 +191,12 @@ def name_expressions(family: str, dtypes=None) -> list:
         elif family == "santa_prop":
             for d in HEAD_DIMS:
                 for gm in GROUP_MAXES:
-                    names.append(f"santa_prop_pass1<{ctype}, {d}, {gm}>")
+                    names.append(f"santa_prop_logits<{ctype}, {d}, {gm}>")
                 names.append(f"santa_prop_sample<{ctype}, {d}>")
         else:
             raise KeyError(family)
+    if family == "santa_prop":
+        names.append("santa_prop_tiles")  # not a template: one kernel for every dtype
     return names
 
 

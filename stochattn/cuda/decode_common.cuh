@@ -195,6 +195,31 @@ __device__ __forceinline__ void load_group_queries(const T* __restrict__ q, long
   }
 }
 
+// Partial dot products of this thread's 8 features with the G queries, for its RPT rows
+// of a K stage (rows rg + p * kRowGroups): x[p * GMAX + g]; heads g >= G give 0. The
+// row-group sums are then row_group_sums (all lanes) or Scatter (owner lanes).
+template <typename T, int D, int GMAX>
+__device__ __forceinline__ void group_partial_dots(
+    const unsigned char* __restrict__ sk, int rg, int lr, int G, const float (&qf)[GMAX][8],
+    float (&x)[Tiling<D>::kRowsPerThread * GMAX]) {
+  using Tl = Tiling<D>;
+#pragma unroll
+  for (int p = 0; p < Tl::kRowsPerThread; ++p) {
+    const int r = rg + p * Tl::kRowGroups;
+    float kf[8];
+    unpack8<T>(*reinterpret_cast<const uint4*>(sk + r * (D * 2) + lr * 16), kf);
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+      float s = 0.f;
+      if (g < G) {  // G is uniform over the CTA
+#pragma unroll
+        for (int e = 0; e < 8; ++e) s = fmaf(qf[g][e], kf[e], s);
+      }
+      x[p * GMAX + g] = s;
+    }
+  }
+}
+
 // Sum over the kLanesPerRow lanes of a row group (butterfly: every lane gets the sum).
 template <int LANES>
 __device__ __forceinline__ float row_group_sum(float x) {

@@ -117,21 +117,7 @@ exact_decode_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __
     // Partial dot products of this thread's 8 features, x[p * GMAX + g], then the
     // row-group sums (decode_common.cuh: row_group_sums).
     float x[RPT * GMAX];
-#pragma unroll
-    for (int p = 0; p < RPT; ++p) {
-      const int r = rg + p * RG;
-      float kf[8];
-      unpack8<T>(*reinterpret_cast<const uint4*>(sk + r * (D * 2) + lr * 16), kf);
-#pragma unroll
-      for (int g = 0; g < GMAX; ++g) {
-        float s = 0.f;
-        if (g < G) {  // G is uniform over the CTA
-#pragma unroll
-          for (int e = 0; e < 8; ++e) s = fmaf(qf[g][e], kf[e], s);
-        }
-        x[p * GMAX + g] = s;
-      }
-    }
+    group_partial_dots<T, D, GMAX>(sk, rg, lr, G, qf, x);
     row_group_sums<LPR>(x, lr);
 
     // Online softmax, one max shift per head per stage. Masked rows (past `end`) get

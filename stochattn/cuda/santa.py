@@ -1,4 +1,4 @@
-"""S²ANTA-prop on the GPU: two-pass sampled attention (santa_prop.cu)."""
+"""S²ANTA-prop on the GPU: logits, tile statistics, sampling and gather (santa_prop.cu)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from ._sources import group_max
 
 __all__ = ["santa_prop", "TILE_SIZES"]
 
-_SAMPLE_THREADS = 256  # pass 2 (santa_prop.cu: kSampleThreads)
+_SAMPLE_THREADS = 256  # santa_prop.cu: kSampleThreads
+_TILE_THREADS = 256  # santa_prop.cu: kTileThreads
+_TILES_PER_CTA = (_TILE_THREADS // 32) * 4  # santa_prop.cu: kTileWarps * kTilesPerWarp
 _SAMPLER_CODE = {"systematic": 0, "stratified": 1, "iid": 2}  # philox.cuh: Sampler
 TILE_SIZES = (32, 64, 128, 256)
 
@@ -52,7 +54,7 @@ def santa_prop(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_siz
     return_indices : bool
         Also return the sampled token indices.
     num_chunks : int, optional
-        Token-axis split of pass 1 (tests and tuning); default fills the GPU.
+        Token-axis split of the logits kernel (tests and tuning); default fills the GPU.
 
     Returns
     -------
@@ -101,25 +103,27 @@ class _PropPlan:
         n_tiles = math.ceil(s.tokens / ts)
         n_pad = n_tiles * ts
         rows = s.batch * s.q_heads
-        # chunk_len: a multiple of the logit buffer (a sampling tile or a load tile)
-        align = max(ts, config.tile_rows(s.head_dim))
         self.threads1 = config.threads
         gm = group_max(s.group)
         smem1 = config.smem_bytes("santa_prop", s.head_dim, gm)
         with _inputs.device_scope(self.device):
-            name1 = f"santa_prop_pass1<{ctype}, {s.head_dim}, {gm}>"
-            self.pass1 = _module.launcher("santa_prop", name1, smem1, config)
+            name1 = f"santa_prop_logits<{ctype}, {s.head_dim}, {gm}>"
+            self.logits = _module.launcher("santa_prop", name1, smem1, config)
             chunks, chunk_len = _module.split_tokens("santa_prop", name1, smem1, config,
-                                                     s.batch * s.kv_heads, s.tokens, align, num_chunks)
-            self.pass2 = _module.launcher("santa_prop", f"santa_prop_sample<{ctype}, {s.head_dim}>",
-                                          0, config)
+                                                     s.batch * s.kv_heads, s.tokens,
+                                                     config.tile_rows(s.head_dim), num_chunks)
+            self.tiles = _module.launcher("santa_prop", "santa_prop_tiles", 0, config)
+            self.sample = _module.launcher("santa_prop", f"santa_prop_sample<{ctype}, {s.head_dim}>",
+                                           0, config)
         self.chunks, self.chunk_len = chunks, chunk_len
         self.grid1 = (chunks, s.kv_heads, s.batch)
+        self.grid_tiles = (rows, math.ceil(n_tiles / _TILES_PER_CTA))
         self.grid2 = (rows,)
         self.out_shape = (s.batch, s.q_heads, s.head_dim)
         self.idx_shape = (s.batch, s.q_heads, S)
-        # One scratch buffer: cum (f32, rows n_pad), tile_m, tile_l (f32, rows n_tiles),
-        # C (f64, rows n_tiles), iid points (f64, rows (S + 1); iid only), idx32 (i32, rows S).
+        # One scratch buffer: logits (f32, rows x n_pad), tile_m and tile_l (f32, rows x
+        # n_tiles), C (f64, rows x n_tiles), iid points (f64, rows x (S + 1); iid only),
+        # idx32 (i32, rows x S).
         sizes = (4 * rows * n_pad, 4 * rows * n_tiles, 4 * rows * n_tiles, 8 * rows * n_tiles,
                  8 * rows * (S + 1) if sampler == "iid" else 8, 4 * rows * S)
         offsets, total = [], 0
@@ -128,8 +132,9 @@ class _PropPlan:
             total += _align(size)
         self.offsets, self.scratch_bytes = tuple(offsets), total
         self.tail1 = (np.int32(s.kv_heads), np.int32(s.group), np.int64(s.tokens),
-                      np.int64(chunk_len), np.int32(ts), np.int64(n_pad), np.int64(n_tiles),
-                      np.float32(scale))
+                      np.int64(chunk_len), np.int64(n_pad), np.float32(scale))
+        self.tail_tiles = (np.int32(s.q_heads), np.int64(s.tokens), np.int64(n_pad),
+                           np.int64(n_tiles), np.int32(ts))
         self.mid2 = (np.int32(s.q_heads), np.int32(s.group), np.int64(s.tokens), np.int64(n_pad),
                      np.int64(n_tiles), np.int32(ts), np.int32(S), np.int32(_SAMPLER_CODE[sampler]))
 
@@ -143,16 +148,17 @@ class _PropPlan:
             stream = _inputs.stream_for(inp, self.device)
             scratch = ops.empty(inp.q, (self.scratch_bytes,), "uint8")
             base = ops.ptr(scratch)
-            cum, tile_m, tile_l, C, iid, idx32 = (np.uint64(base + o) for o in self.offsets)
+            logits, tile_m, tile_l, C, iid, idx32 = (np.uint64(base + o) for o in self.offsets)
             out = ops.empty(inp.q, self.out_shape)
             outp = np.uint64(ops.ptr(out))
             indices = ops.empty(inp.q, self.idx_shape, "int64") if return_indices else None
             idxp = _inputs.NULL if indices is None else np.uint64(ops.ptr(indices))  # null: none
-            self.pass1(self.grid1, (self.threads1,),
-                       (qp, kp, lens, cum, tile_m, tile_l) + self.tail1, stream)
-            self.pass2(self.grid2, (_SAMPLE_THREADS,),
-                       (vp, lens, cum, tile_m, tile_l, C, iid, idx32, idxp, outp) + self.mid2
-                       + (np.uint64(seed), np.uint32(offset)), stream)
+            self.logits(self.grid1, (self.threads1,), (qp, kp, lens, logits) + self.tail1, stream)
+            self.tiles(self.grid_tiles, (_TILE_THREADS,),
+                       (logits, lens, tile_m, tile_l) + self.tail_tiles, stream)
+            self.sample(self.grid2, (_SAMPLE_THREADS,),
+                        (vp, lens, logits, tile_m, tile_l, C, iid, idx32, idxp, outp) + self.mid2
+                        + (np.uint64(seed), np.uint32(offset)), stream)
         return (out, indices) if return_indices else out
 
 
