@@ -155,31 +155,45 @@ def santa_attention(q, k, v, seq_lens=None, *, budget, sampler="systematic", sch
 
 def _santa_cuda(q, k, v, seq_lens, budget, sampler, schedule, tile_size, seed, offset, scores,
                 softmax_scale, check_finite, return_diagnostics):
-    """GPU arrays: the two-pass S²ANTA-prop kernel (exact scores); other options say what is missing."""
+    """GPU arrays: the S²ANTA-prop and S²ANTA-flash kernels (exact scores); other options say
+    what is missing."""
     val.check_choice("schedule", schedule, _ref.SCHEDULES)
     val.check_choice("scores", scores, _ref.SCORES)
-    if schedule != "prop":
-        raise cuda_not_implemented("santa_attention", f"schedule={schedule!r}; the GPU has 'prop'")
+    if schedule == "global":
+        raise cuda_not_implemented("santa_attention", "schedule='global'; the GPU has 'prop' and 'flash'")
     if scores != "exact":
         raise cuda_not_implemented("santa_attention", "the Bernoulli score stage")
     require_cupy("santa_attention")
-    from .cuda import santa_prop
-
     if check_finite:
         val.check_finite(q=q, k=k, v=v)
-    res = santa_prop(q, k, v, seq_lens, budget=budget, sampler=sampler, tile_size=tile_size,
-                     seed=seed, offset=offset, softmax_scale=softmax_scale,
-                     check_seq_lens=check_finite, return_indices=return_diagnostics)
-    if not return_diagnostics:
-        return res
-    out, idx = res
-    # Diagnostics copy the sampled indices to the host (a synchronisation).
+    common = dict(budget=budget, sampler=sampler, tile_size=tile_size, seed=seed, offset=offset,
+                  softmax_scale=softmax_scale, check_seq_lens=check_finite)
+    if schedule == "prop":
+        from .cuda import santa_prop
+
+        res = santa_prop(q, k, v, seq_lens, return_indices=return_diagnostics, **common)
+        if not return_diagnostics:
+            return res
+        out, idx = res
+        extra = {}
+    else:
+        from .cuda import flash_diagnostics, santa_flash
+
+        res = santa_flash(q, k, v, seq_lens, return_indices=return_diagnostics,
+                          return_tile_stats=return_diagnostics, **common)
+        if not return_diagnostics:
+            return res
+        out, idx, stats = res
+        samples, waste = flash_diagnostics(stats, budget)
+        extra = dict(samples_per_tile=samples, sample_waste=waste)
+    # Diagnostics copy the sampled indices to the host (a synchronisation); flash pads its
+    # per-tile index slots with -1.
     idx = host_ints(idx)
     B = idx.shape[0]
     Hkv, N = int(k.shape[1]), int(k.shape[2])
     lens = np.full(B, N, dtype=np.int64) if seq_lens is None else host_ints(seq_lens)
     groups = idx.reshape(B, Hkv, -1)  # the draws of every query head of a KV group
-    v_rows = np.array([[np.unique(groups[b, h]).size if lens[b] > 0 else 0 for h in range(Hkv)]
-                       for b in range(B)], dtype=np.int64)
+    v_rows = np.array([[np.unique(g[g >= 0]).size if lens[b] > 0 else 0
+                        for g in groups[b]] for b in range(B)], dtype=np.int64)
     return out, Diagnostics(seq_lens=lens, k_rows_read=np.repeat(lens[:, None], Hkv, axis=1),
-                            v_rows_read=v_rows)
+                            v_rows_read=v_rows, **extra)

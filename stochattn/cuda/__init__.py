@@ -3,7 +3,8 @@
 Nothing here is imported by ``import stochattn``; kernels compile on first use.
 """
 
-_LAZY = {"exact_decode": ".exact", "santa_prop": ".santa"}
+_LAZY = {"exact_decode": ".exact", "santa_prop": ".santa", "santa_flash": ".flash",
+         "flash_diagnostics": ".flash"}
 
 
 def __getattr__(name):  # lazy: importing the package imports no CuPy and compiles nothing

@@ -43,7 +43,8 @@ __all__ = [
 SOURCE_DIR = Path(__file__).resolve().parent
 
 # Kernel family -> source file. One cupy.RawModule per family.
-FAMILIES = {"exact_decode": "exact_decode.cu", "santa_prop": "santa_prop.cu"}
+FAMILIES = {"exact_decode": "exact_decode.cu", "santa_prop": "santa_prop.cu",
+            "santa_flash": "santa_flash.cu"}
 
 # Element type names (validation's dtype names) -> CUDA types.
 CTYPES = {"float16": "stochattn::f16", "bfloat16": "stochattn::bf16"}
@@ -103,6 +104,8 @@ class TileConfig:
             return max(self.stages * 2 * self.stage_bytes, merge)
         if family == "santa_prop":  # K stages
             return self.stages * self.stage_bytes
+        if family == "santa_flash":  # K stages, reused by the final sum over warps
+            return max(self.stages * self.stage_bytes, head_dim * (self.threads // 32) * gmax * 4)
         raise KeyError(family)
 
     def label(self) -> str:
@@ -193,6 +196,11 @@ def name_expressions(family: str, dtypes=None) -> list:
                 for gm in GROUP_MAXES:
                     names.append(f"santa_prop_logits<{ctype}, {d}, {gm}>")
                 names.append(f"santa_prop_sample<{ctype}, {d}>")
+        elif family == "santa_flash":
+            for d in HEAD_DIMS:
+                for gm in GROUP_MAXES:
+                    names.append(f"santa_flash_chunk<{ctype}, {d}, {gm}>")
+            names.append(f"exact_decode_merge<{ctype}>")  # included from exact_decode.cu
         else:
             raise KeyError(family)
     if family == "santa_prop":

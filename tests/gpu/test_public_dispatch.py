@@ -8,7 +8,7 @@ import pytest
 cupy = pytest.importorskip("cupy")
 
 import stochattn  # noqa: E402
-from stochattn.cuda import exact_decode, santa_prop  # noqa: E402
+from stochattn.cuda import exact_decode, flash_diagnostics, santa_flash, santa_prop  # noqa: E402
 
 from gpu_helpers import peaked_inputs  # noqa: E402
 
@@ -51,8 +51,24 @@ def test_santa_attention_on_torch_returns_torch():
     assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and out.is_cuda
 
 
+def test_santa_attention_flash_on_cupy_equals_the_kernel_with_waste():
+    q, k, v = _inputs()
+    lens = np.array([300, 0], dtype=np.int32)
+    out, diag = stochattn.santa_attention(q, k, v, lens, budget=32, schedule="flash", seed=5,
+                                          offset=2, return_diagnostics=True)
+    direct, idx, stats = santa_flash(q, k, v, lens, budget=32, seed=5, offset=2,
+                                     return_indices=True, return_tile_stats=True)
+    assert bool((out == direct).all())
+    idx = cupy.asnumpy(idx)
+    expected = [len(np.unique(g[g >= 0])) for g in idx[0].reshape(2, -1)]
+    assert diag.v_rows_read[0].tolist() == expected and diag.v_rows_read[1].tolist() == [0, 0]
+    samples, waste = flash_diagnostics(stats, 32)
+    assert np.array_equal(diag.samples_per_tile, samples)
+    assert np.array_equal(diag.sample_waste, waste) and diag.sample_waste[1].tolist() == [0.0] * 8
+
+
 @pytest.mark.parametrize("kwargs, what", [
-    (dict(schedule="flash"), r"schedule='flash'"),
+    (dict(schedule="global"), r"schedule='global'"),
     (dict(scores="bernoulli"), r"the Bernoulli score stage"),
 ])
 def test_missing_gpu_paths_say_what_is_missing(kwargs, what):

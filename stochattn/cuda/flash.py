@@ -1,0 +1,272 @@
+"""S²ANTA-flash on the GPU: per-tile draws merged with deferred weights (santa_flash.cu)."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from .. import _validation as val
+from ..reference.samplers import SAMPLERS
+from . import _inputs, _module, _sources
+from ._sources import group_max
+
+__all__ = ["santa_flash", "FlashTileStats", "flash_diagnostics", "TILE_SIZES"]
+
+_FAMILY = "santa_flash"
+_SAMPLER_CODE = {"systematic": 0, "stratified": 1, "iid": 2}  # philox.cuh: Sampler
+TILE_SIZES = (32, 64, 128, 256)  # santa_flash.cu: powers of two up to kFlashMaxTile
+
+
+class FlashTileStats(NamedTuple):
+    """Per-tile statistics of one :func:`santa_flash` call (GPU arrays, caller's framework).
+
+    Attributes
+    ----------
+    tile_max : shape (B, Hq, T), float32
+        m_t, the max logit ``softmax_scale * q . k`` of each tile (natural-log units);
+        -inf for tiles past the sequence. T = ceil(N / tile_size).
+    tile_sum : shape (B, Hq, T), float32
+        l_t = sum over the tile of exp(x - m_t) (the last entry of the tile-local CDF the
+        draws were inverted through); 0 for tiles past the sequence.
+    samples : shape (B,), int32
+        S_t = ceil(S / T_L) draws of every tile of sequence b, T_L = ceil(L_b / tile_size);
+        0 for an empty sequence.
+    """
+
+    tile_max: object
+    tile_sum: object
+    samples: object
+
+
+def santa_flash(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_size=64, seed=0,
+                offset=0, softmax_scale=None, return_indices=False, return_tile_stats=False,
+                num_chunks=None, check_seq_lens=False):
+    """S²ANTA-flash estimate of one decode step on the GPU: ``sum_t (W_t / Z) mu_t``.
+
+    Each of the T_L = ceil(L / tile_size) tiles of a sequence of L tokens draws
+    S_t = ceil(S / T_L) points from its own tile-local softmax (Philox row ``b * Hq + h``,
+    stream = tile index: ``stochattn.reference.santa.flash_estimate``'s draws), averages
+    those V rows into mu_t, and the tiles are merged with the weights W_t / Z of their
+    softmax mass, in one streaming pass without a global sync (split-KV chunks merged as
+    in exact decode). Unbiased. The indices equal the reference's up to rounding at CDF
+    boundaries (logits are fp32 here, float64 there; iid points may differ in the last
+    bit through ``log``).
+
+    Parameters
+    ----------
+    q : GPU array, shape (B, Hq, D), float16 or bfloat16
+    k, v : GPU array, shape (B, Hkv, N, D), dtype of ``q``
+        Contiguous (else copied); ``Hq // Hkv <= 8``; D is 64 or 128.
+    seq_lens : integer array, shape (B,), optional
+        Sequence lengths; 0 gives a zero row. Host values are checked on the host; GPU
+        values are not checked (no synchronisation) unless ``check_seq_lens=True``, and the
+        kernel clamps them to [0, N], so a bad value never reads outside the cache.
+    budget : int
+        S, 1 <= S <= 2**30: a sequence draws T_L * S_t >= S points in all.
+    sampler : {"systematic", "stratified", "iid"}
+        How each tile's S_t points are drawn (per tile, from its own stream).
+    tile_size : int
+        Tokens per tile: 32, 64, 128 or 256.
+    seed : int
+        In [0, 2**64).
+    offset : int
+        In [0, 2**32).
+    softmax_scale : float, optional
+        Default ``1 / sqrt(D)``.
+    return_indices : bool
+        Also return the drawn token indices.
+    return_tile_stats : bool
+        Also return a :class:`FlashTileStats` (per-tile max and local sum, S_t per
+        sequence), from which :func:`flash_diagnostics` computes the sample waste.
+    num_chunks : int, optional
+        Token-axis split (tests and tuning); default fills the GPU. Draws and tile
+        statistics do not depend on it; the output does only through fp32 rounding.
+    check_seq_lens : bool
+        Check GPU ``seq_lens`` values against [0, N] (one device-to-host copy and a sync).
+
+    Returns
+    -------
+    out : GPU array, shape (B, Hq, D), dtype of ``q``, caller's framework
+        Alone when neither ``return_indices`` nor ``return_tile_stats``; otherwise the
+        first entry of a tuple ``(out, indices)``, ``(out, stats)`` or
+        ``(out, indices, stats)``.
+    indices : GPU array of int64, shape (B, Hq, S + T - 1), only with ``return_indices``
+        Tile t's draws (global token indices) at ``[t * S_t, (t + 1) * S_t)``, so the
+        first T_L * S_t entries are sorted; the remaining entries (all, for an empty
+        sequence) are -1. T = ceil(N / tile_size).
+    stats : FlashTileStats, only with ``return_tile_stats``
+
+    Notes
+    -----
+    Precision: logits, tile sums and the weighted V sum are fp32, the sample points
+    float64; the output is rounded once to the dtype of ``q`` (with several chunks, the
+    chunk partials are fp32 and merged in fp32). Same seed and offset, same output bit for
+    bit (the accumulation order is fixed). Launched on the caller's current stream; no
+    host synchronisation unless ``check_seq_lens``.
+
+    Examples
+    --------
+    >>> import cupy as cp
+    >>> q = cp.random.standard_normal((1, 32, 128)).astype(cp.float16)
+    >>> k = cp.random.standard_normal((1, 8, 4096, 128)).astype(cp.float16)
+    >>> santa_flash(q, k, k, budget=2048, seed=1).shape
+    (1, 32, 128)
+    """
+    seed, offset = val.check_seed_offset(seed, offset)
+    want_idx = val.check_bool("return_indices", return_indices)
+    want_stats = val.check_bool("return_tile_stats", return_tile_stats)
+    inp = _inputs.gather(q, k, v)
+    config = _sources.get_config()
+    key = (_FAMILY, inp.key, type(budget), budget, sampler, type(tile_size), tile_size,
+           type(softmax_scale), softmax_scale, type(num_chunks), num_chunks, config)
+    plan = _inputs.cached_plan(
+        key, lambda: _FlashPlan(inp, budget, sampler, tile_size, softmax_scale, num_chunks, config))
+    return plan.run(inp, seq_lens, check_seq_lens, seed, offset, want_idx, want_stats)
+
+
+def _check_tile_size(tile_size) -> int:
+    if not isinstance(tile_size, (int, np.integer)) or isinstance(tile_size, bool):
+        raise TypeError(f"`tile_size` must be an integer, got {type(tile_size).__name__}")
+    if int(tile_size) not in TILE_SIZES:
+        raise ValueError(f"`tile_size` must be one of {TILE_SIZES} on the GPU, got {tile_size}")
+    return int(tile_size)
+
+
+class _FlashPlan:
+    """Everything one configuration of :func:`santa_flash` needs, resolved once."""
+
+    def __init__(self, inp, budget, sampler, tile_size, softmax_scale, num_chunks, config):
+        S = val.check_budget("budget", budget)
+        if S > 2**30:  # int32 draw counters in the kernel, with room for loop strides
+            raise ValueError(f"`budget` must be at most 2**30 on the GPU, got {S}")
+        val.check_choice("sampler", sampler, SAMPLERS)
+        ts = _check_tile_size(tile_size)
+        s, scale, self.device, dtype_name = _inputs.base_plan(inp, softmax_scale)
+        num_chunks = _inputs.check_num_chunks(num_chunks)
+        if s.batch * s.q_heads >= 2**28:
+            raise ValueError(f"`q` batch * heads must be below 2**28 (random-stream rows), got "
+                             f"{s.batch * s.q_heads}")
+        self.shape = s
+        ctype = _sources.CTYPES[dtype_name]
+        n_tiles = math.ceil(s.tokens / ts)
+        # chunk_len: a multiple of the logit buffer (a sampling tile or a load tile), so
+        # buffers hold whole tiles and no tile straddles two chunks.
+        align = max(ts, config.tile_rows(s.head_dim))
+        self.threads = config.threads
+        gm = group_max(s.group)
+        smem = config.smem_bytes(_FAMILY, s.head_dim, gm)
+        with _inputs.device_scope(self.device):
+            name = f"santa_flash_chunk<{ctype}, {s.head_dim}, {gm}>"
+            self.chunk = _module.launcher(_FAMILY, name, smem, config)
+            # The kernel also has ~8-17 KB of static shared memory: static + dynamic above
+            # 48 KB needs the opt-in even when the dynamic part alone is below it.
+            self.chunk.raw.max_dynamic_shared_size_bytes = smem
+            chunks, chunk_len = _module.split_tokens(_FAMILY, name, smem, config,
+                                                     s.batch * s.kv_heads, s.tokens, align, num_chunks)
+            self.merge = _module.launcher(_FAMILY, f"exact_decode_merge<{ctype}>", 0, config) \
+                if chunks > 1 else None
+        self.chunks, self.chunk_len = chunks, chunk_len
+        self.grid = (chunks, s.kv_heads, s.batch)
+        self.out_shape = (s.batch, s.q_heads, s.head_dim)
+        self.idx_stride = S + n_tiles - 1  # >= T_L * ceil(S / T_L) for every T_L <= n_tiles
+        self.idx_shape = (s.batch, s.q_heads, self.idx_stride)
+        self.tile_shape = (s.batch, s.q_heads, n_tiles)
+        # Split launches: one scratch buffer, partial outputs (fp32, B Hq C D), then (m, l).
+        self.ml_offset = _align(4 * s.batch * s.q_heads * chunks * s.head_dim)
+        self.scratch_bytes = self.ml_offset + 8 * s.batch * s.q_heads * chunks
+        self.tail = (np.int32(s.kv_heads), np.int32(s.group), np.int64(s.tokens), np.int64(chunk_len),
+                     np.int32(chunks), np.int32(ts), np.int64(n_tiles), np.int64(self.idx_stride),
+                     np.int32(S), np.int32(_SAMPLER_CODE[sampler]), np.float32(scale))
+        self.merge_grid = (s.batch * s.q_heads,)
+        self.merge_tail = (np.int32(chunks), np.int32(s.head_dim))
+
+    def run(self, inp, seq_lens, check_seq_lens, seed, offset, want_idx, want_stats):
+        ops = inp.ops
+        s = self.shape
+        null = _inputs.NULL
+        with _inputs.device_scope(self.device):
+            qp, kp, vp = inp.pointers()
+            lens, _keep = _inputs.seq_lens_pointer(inp, seq_lens, s.batch, s.tokens, self.device,
+                                                   check_seq_lens)
+            stream = _inputs.stream_for(inp, self.device)
+            out = ops.empty(inp.q, self.out_shape)
+            outp = np.uint64(ops.ptr(out))
+            indices = ops.empty(inp.q, self.idx_shape, "int64") if want_idx else None
+            idxp = np.uint64(ops.ptr(indices)) if want_idx else null
+            if want_stats:
+                tile_m = ops.empty(inp.q, self.tile_shape, "float32")
+                tile_l = ops.empty(inp.q, self.tile_shape, "float32")
+                samples = ops.empty(inp.q, (s.batch,), "int32")
+                statp = (np.uint64(ops.ptr(tile_m)), np.uint64(ops.ptr(tile_l)),
+                         np.uint64(ops.ptr(samples)))
+            else:
+                statp = (null, null, null)
+            rng = (np.uint64(seed), np.uint32(offset))
+            if self.merge is None:  # single chunk: the kernel writes `out`, no partials
+                self.chunk(self.grid, (self.threads,),
+                           (qp, kp, vp, lens, outp, null, null, idxp) + statp + self.tail + rng, stream)
+            else:
+                scratch = ops.empty(inp.q, (self.scratch_bytes,), "uint8")
+                po = ops.ptr(scratch)
+                po, pml = np.uint64(po), np.uint64(po + self.ml_offset)
+                self.chunk(self.grid, (self.threads,),
+                           (qp, kp, vp, lens, outp, po, pml, idxp) + statp + self.tail + rng, stream)
+                self.merge(self.merge_grid, (s.head_dim,), (po, pml, outp) + self.merge_tail, stream)
+        if not (want_idx or want_stats):
+            return out
+        res = (out,)
+        if want_idx:
+            res += (indices,)
+        if want_stats:
+            res += (FlashTileStats(tile_m, tile_l, samples),)
+        return res
+
+
+def flash_diagnostics(stats: FlashTileStats, budget: int):
+    """Host-side flash bookkeeping from :class:`FlashTileStats` (copies to the host: a sync).
+
+    Parameters
+    ----------
+    stats : FlashTileStats
+        As returned by ``santa_flash(..., return_tile_stats=True)``.
+    budget : int
+        The S of that call.
+
+    Returns
+    -------
+    samples_per_tile : ndarray of int64, shape (B, Hq, T)
+        S_t for the T_L tiles of each sequence, 0 past it (``Diagnostics.samples_per_tile``).
+    sample_waste : ndarray of float64, shape (B, Hq)
+        ``sum_t max(0, S_t - S W_t / Z) / sum_t S_t`` with W_t = exp(m_t - m*) l_t, as the
+        reference's ``flash_estimate``; 0 for empty sequences (``Diagnostics.sample_waste``).
+    """
+    m = _host(stats.tile_max).astype(np.float64)
+    l = _host(stats.tile_sum).astype(np.float64)
+    st = _host(stats.samples).astype(np.int64)
+    has = l > 0  # tiles of the sequence (l_t >= 1 there; 0 past it)
+    samples = np.where(has, st[:, None, None], 0)
+    # W_t = exp(m_t - m*) l_t <= l_t: shifted by the row max m* (0 for an empty row).
+    mstar = np.max(np.where(has, m, -np.inf), axis=-1, keepdims=True)
+    mstar = np.where(np.isfinite(mstar), mstar, 0.0)
+    W = np.where(has, np.exp(np.where(has, m, mstar) - mstar) * l, 0.0)
+    Z = W.sum(axis=-1, keepdims=True)
+    share = np.divide(W, Z, out=np.zeros_like(W), where=Z > 0)
+    drawn = samples.sum(axis=-1)
+    excess = np.where(has, np.maximum(0.0, samples - int(budget) * share), 0.0).sum(axis=-1)
+    waste = np.divide(excess, drawn, out=np.zeros_like(excess), where=drawn > 0)
+    return samples, waste
+
+
+def _host(a) -> np.ndarray:
+    """NumPy copy of a CuPy array or torch tensor (or a NumPy array as is)."""
+    if hasattr(a, "get"):
+        return a.get()
+    if hasattr(a, "cpu"):
+        return a.detach().cpu().numpy()
+    return np.asarray(a)
+
+
+def _align(nbytes: int, to: int = 256) -> int:
+    return -(-nbytes // to) * to

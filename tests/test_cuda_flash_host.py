@@ -1,0 +1,56 @@
+"""The host half of the GPU flash wrapper, without a GPU: the sample-waste bookkeeping
+(``stochattn.cuda.flash.flash_diagnostics``) from per-tile statistics in the kernel's
+layout equals the reference's, and importing the wrapper imports no CuPy."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from stochattn.cuda.flash import FlashTileStats, flash_diagnostics
+from stochattn.reference import santa as ref_santa
+from stochattn.reference.common import lengths, logits
+
+
+def _kernel_layout_stats(x, lens, S, tile_size):
+    """What santa_flash(..., return_tile_stats=True) returns, built from the reference:
+    fp32 m_t and l_t, -inf / 0 past the sequence, and S_t per sequence."""
+    st = ref_santa.tile_stats(x, tile_size)
+    has = st.l > 0
+    tm = np.where(has, st.m, -np.inf).astype(np.float32)
+    tl = np.where(has, st.l, 0.0).astype(np.float32)
+    TL = -(-np.asarray(lens) // tile_size)
+    samples = np.where(TL > 0, -(-S // np.maximum(TL, 1)), 0).astype(np.int32)
+    return FlashTileStats(tm, tl, samples)
+
+
+@given(seed=st.integers(0, 2**32 - 1), S=st.integers(1, 600),
+       tile_size=st.sampled_from([32, 64, 128, 256]),
+       lens=st.lists(st.integers(0, 700), min_size=1, max_size=3))
+def test_flash_diagnostics_match_reference(seed, S, tile_size, lens):
+    """samples_per_tile equal exactly; sample_waste to fp32 rounding of m_t and l_t."""
+    rng = np.random.default_rng(seed)
+    B, Hkv, G, N, D = len(lens), 2, 2, 700, 16
+    q = rng.standard_normal((B, Hkv * G, D)) * 2.0
+    k = rng.standard_normal((B, Hkv, N, D))
+    v = rng.standard_normal((B, Hkv, N, D))
+    full = lengths(np.asarray(lens), B, N)
+    x = logits(q, k, full, 0.25)
+    samples, waste = flash_diagnostics(_kernel_layout_stats(x, full, S, tile_size), S)
+    _, _, ref_samples, ref_waste = ref_santa.flash_estimate(x, v, full, "systematic", S, tile_size,
+                                                            seed=seed, offset=0)
+    np.testing.assert_array_equal(samples, ref_samples)
+    np.testing.assert_allclose(waste, ref_waste, rtol=1e-5, atol=1e-6)
+    assert np.all((waste >= 0) & (waste < 1))
+    assert np.all(waste[full == 0] == 0) and np.all(samples[full == 0] == 0)
+
+
+def test_flash_wrapper_imports_no_cupy():
+    code = ("import sys, stochattn.cuda.flash as f, stochattn.cuda as c; "
+            "assert c.santa_flash is f.santa_flash; assert 'cupy' not in sys.modules")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
