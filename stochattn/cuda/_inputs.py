@@ -31,7 +31,7 @@ from . import _sources
 from ._arrays import CUPY, TORCH, host_values, launch_stream, ops_for, to_cupy
 
 __all__ = ["GPU_KERNEL_DTYPES", "Inputs", "gather", "cached_plan", "base_plan",
-           "seq_lens_pointer", "clear_plan_cache", "plan_cache_size", "device_scope"]
+           "seq_lens_pointer", "launch_args", "clear_plan_cache", "plan_cache_size", "device_scope"]
 
 GPU_KERNEL_DTYPES = ("float16", "bfloat16")
 NULL = np.uint64(0)
@@ -225,3 +225,11 @@ def _torch_int32():
 
 def stream_for(inp: Inputs, device: int):
     return launch_stream(inp.ops, device)
+
+
+def launch_args(inp, seq_lens, check_seq_lens, shape, device):
+    """The per-call front of every plan's ``run`` (call it inside ``device_scope(device)``):
+    ``(q, k, v pointers, seq_lens pointer, the object keeping seq_lens alive, stream)``."""
+    qp, kp, vp = inp.pointers()
+    lens, keep = seq_lens_pointer(inp, seq_lens, shape.batch, shape.tokens, device, check_seq_lens)
+    return qp, kp, vp, lens, keep, stream_for(inp, device)

@@ -187,10 +187,8 @@ class _FlashPlan:
         s = self.shape
         null = _inputs.NULL
         with _inputs.device_scope(self.device):
-            qp, kp, vp = inp.pointers()
-            lens, _keep = _inputs.seq_lens_pointer(inp, seq_lens, s.batch, s.tokens, self.device,
-                                                   check_seq_lens)
-            stream = _inputs.stream_for(inp, self.device)
+            qp, kp, vp, lens, _keep, stream = _inputs.launch_args(inp, seq_lens, check_seq_lens, s,
+                                                                  self.device)
             out = ops.empty(inp.q, self.out_shape)
             outp = np.uint64(ops.ptr(out))
             indices = ops.empty(inp.q, self.idx_shape, "int64") if want_idx else None

@@ -142,10 +142,8 @@ class _PropPlan:
         ops = inp.ops
         s = self.shape
         with _inputs.device_scope(self.device):
-            qp, kp, vp = inp.pointers()
-            lens, _keep = _inputs.seq_lens_pointer(inp, seq_lens, s.batch, s.tokens, self.device,
-                                                   check_seq_lens)
-            stream = _inputs.stream_for(inp, self.device)
+            qp, kp, vp, lens, _keep, stream = _inputs.launch_args(inp, seq_lens, check_seq_lens, s,
+                                                                  self.device)
             scratch = ops.empty(inp.q, (self.scratch_bytes,), "uint8")
             base = ops.ptr(scratch)
             logits, tile_m, tile_l, C, iid, idx32 = (np.uint64(base + o) for o in self.offsets)
