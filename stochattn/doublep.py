@@ -6,6 +6,9 @@ sequence and KV head) with :func:`build_doublep_index`; each decode step calls
 and :meth:`DoublePIndex.append` absorbs the tokens that leave the exact window as the
 cache grows. The arithmetic is documented in :mod:`stochattn.reference.kmeans` and
 :mod:`stochattn.reference.doublep`.
+
+On GPU arrays (CuPy, PyTorch CUDA tensors) the index is built and grown on the device by
+:mod:`stochattn.cuda.doublep_index`; the decode functions have no GPU kernel yet.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _validation as val
-from ._backend import backend_of, cuda_not_implemented
+from ._backend import backend_of
 from .diagnostics import Diagnostics
 from .reference import doublep as _ref
 from .reference import kmeans as _km
@@ -29,7 +32,12 @@ APPROX = ("centroid", "sample")
 
 @dataclass(eq=False)
 class DoublePIndex:
-    """Cluster index of a KV cache for Double-P (NumPy arrays, host memory).
+    """Cluster index of a KV cache for Double-P.
+
+    Built from NumPy arrays, the index holds NumPy arrays with the dtypes below (host
+    memory). Built from GPU arrays, every array lives on the cache's device in the caller's
+    framework (CuPy arrays, or torch tensors for torch input), with float32 ``centroids``
+    and ``value_sums`` and otherwise the dtypes below; see :mod:`stochattn.cuda.doublep_index`.
 
     Token ranges of sequence b with length L: sinks ``[0, min(n_sink, L))``, middle
     ``[n_sink, window_start[b])`` (clustered), window ``[window_start[b], L)``, where
@@ -70,7 +78,10 @@ class DoublePIndex:
 
     @property
     def value_means(self) -> np.ndarray:
-        """``value_sums / sizes`` (B, Hkv, C, D) float64; 0 for empty clusters."""
+        """``value_sums / sizes`` (B, Hkv, C, D) float64 (float32 on a GPU index, on its
+        device); 0 for empty clusters."""
+        if not isinstance(self.value_sums, np.ndarray):
+            return _gpu_index().value_means_gpu(self)
         s = self.sizes[..., None].astype(np.float64)
         return np.divide(self.value_sums, s, out=np.zeros_like(self.value_sums), where=s > 0)
 
@@ -92,14 +103,17 @@ class DoublePIndex:
         Returns
         -------
         DoublePIndex
-            Batch ``sum(index.batch)``, entries in order; every array is a new copy.
+            Batch ``sum(index.batch)``, entries in order; every array is a new copy (on the
+            GPU for GPU indexes, which must all come from one framework and one device).
 
         Raises
         ------
         TypeError
-            An element that is not a DoublePIndex.
+            An element that is not a DoublePIndex; host and GPU indexes, or CuPy and torch
+            indexes, mixed.
         ValueError
-            No index, or indexes with different construction parameters or shapes.
+            No index, or indexes with different construction parameters or shapes, or GPU
+            indexes on different devices.
 
         Examples
         --------
@@ -118,14 +132,18 @@ class DoublePIndex:
             if not isinstance(ix, DoublePIndex):
                 raise TypeError(f"`indexes[{i}]` must be a DoublePIndex, got {type(ix).__name__}")
         first = indexes[0]
-        expected = (first.n_sink, first.window, first.n_clusters, first.centroids.shape[1:])
+        expected = (first.n_sink, first.window, first.n_clusters,
+                    tuple(first.centroids.shape[1:]))
         for i, ix in enumerate(indexes):
-            got = (ix.n_sink, ix.window, ix.n_clusters, ix.centroids.shape[1:])
+            got = (ix.n_sink, ix.window, ix.n_clusters, tuple(ix.centroids.shape[1:]))
             if got != expected:
                 raise ValueError(
                     f"`indexes[{i}]` must match indexes[0] (n_sink, window, n_clusters, "
                     f"(kv_heads, clusters, head_dim)) {expected}, got {got}"
                 )
+        if not all(isinstance(ix.centroids, np.ndarray) for ix in indexes):
+            return cls(n_sink=first.n_sink, window=first.window, n_clusters=first.n_clusters,
+                       **_gpu_index().stack_gpu(indexes))
         N = max(ix.labels.shape[-1] for ix in indexes)
         labels = []
         for ix in indexes:  # pad every label array with -1 (no cluster) to the longest cache
@@ -147,8 +165,12 @@ class DoublePIndex:
             Cluster c of (b, kvh) holds ``token_ids[b, kvh, offsets[c]:offsets[c + 1]]``.
         token_ids : ndarray of int64, shape (B, Hkv, M)
             Token positions grouped by cluster, ascending inside a cluster; M is the
-            largest middle-token count over the batch; padded with -1.
+            largest middle-token count over the batch; padded with -1. On a GPU index both
+            arrays are computed on the device and M is the label axis N (no device-to-host
+            copy of the lengths); the first columns equal the host version's.
         """
+        if not isinstance(self.labels, np.ndarray):
+            return _gpu_index().csr_gpu(self)
         return _km.cluster_csr(self.labels, self.sizes, self.window_start, self.n_sink)
 
     def append(self, k, v, seq_lens) -> None:
@@ -159,6 +181,12 @@ class DoublePIndex:
         value sums updated, centroids unchanged), in position order; while a (b, KV head)
         still has clusters without a centroid, a token seeds one instead. Appending one
         token at a time gives the same index, bit for bit, as appending many at once.
+
+        On a GPU index, ``k`` and ``v`` must be arrays of the index's framework and device
+        (float16, bfloat16 or float32); the append runs on the device, in float32, without
+        a host synchronisation. GPU ``seq_lens`` are not read (clamped to [0, N']), and a
+        length below the index's, host or GPU, is raised to it instead of raising, since
+        the index's lengths live on the device (see :mod:`stochattn.cuda.doublep_index`).
 
         Parameters
         ----------
@@ -171,9 +199,13 @@ class DoublePIndex:
         ------
         ValueError
             Shapes that do not match the index, or a sequence that shrinks.
+        TypeError
+            GPU arrays for a host index, or arrays of another framework than a GPU index's.
         """
-        if backend_of(k=k, v=v, seq_lens=seq_lens) != "numpy":
-            raise cuda_not_implemented("DoublePIndex.append", "the cluster append kernel")
+        if not isinstance(self.centroids, np.ndarray) or backend_of(k=k, v=v) == "cuda":
+            _gpu_index().append_gpu(self, k, v, seq_lens)
+            return
+        backend_of(k=k, v=v, seq_lens=seq_lens)  # host seq_lens only, for the reference
         B, Hkv, N, D = val.check_kv_inputs(k, v, seq_lens)
         self._check_cache(B, Hkv, D)
         new = lengths(seq_lens, B, N)
@@ -201,8 +233,19 @@ class DoublePIndex:
 
     def __repr__(self) -> str:
         B, Hkv, C, D = self.centroids.shape
+        # On a GPU index, tolist() copies the lengths to the host (a synchronisation).
+        where = ("" if isinstance(self.centroids, np.ndarray)
+                 else f", device={_gpu_index().device_label(self)!r}")
         return (f"DoublePIndex(batch={B}, kv_heads={Hkv}, n_clusters={C}, head_dim={D}, "
-                f"n_sink={self.n_sink}, window={self.window}, seq_lens={self.seq_lens.tolist()})")
+                f"n_sink={self.n_sink}, window={self.window}, seq_lens={self.seq_lens.tolist()}"
+                f"{where})")
+
+
+def _gpu_index():
+    """The GPU half of the index (imported on first use: it imports Numba)."""
+    from .cuda import doublep_index
+
+    return doublep_index
 
 
 def build_doublep_index(k, v, seq_lens=None, *, n_clusters, iterations=10, n_sink=4, window=64,
@@ -212,9 +255,14 @@ def build_doublep_index(k, v, seq_lens=None, *, n_clusters, iterations=10, n_sin
     Parameters
     ----------
     k, v : ndarray, shape (B, Hkv, N, D)
-        Key and value caches (float16, float32 or float64).
+        Key and value caches (float16, float32 or float64). CuPy arrays or PyTorch CUDA
+        tensors (float16, bfloat16 or float32) build the index on the GPU, in float32, on
+        the caller's current stream and without a host synchronisation; its arrays stay on
+        the device, in the caller's framework (see :mod:`stochattn.cuda.doublep_index`).
     seq_lens : integer ndarray, shape (B,), optional
-        Sequence b uses ``k[b, :, :seq_lens[b]]``; default: all N tokens.
+        Sequence b uses ``k[b, :, :seq_lens[b]]``; default: all N tokens. With GPU caches,
+        host lengths are checked and GPU lengths are clamped to [0, N] (read and checked
+        only with ``check_finite``).
     n_clusters : int
         Clusters per (sequence, KV head), C, ``1 <= C <= N``. Sequences with fewer middle
         tokens M than C leave ``C - M`` clusters empty.
@@ -229,7 +277,8 @@ def build_doublep_index(k, v, seq_lens=None, *, n_clusters, iterations=10, n_sin
         Seed of the initialisation (a random subset of middle tokens, drawn by the
         counter-based generator: see :mod:`stochattn.reference.kmeans`).
     check_finite : bool
-        Check that k and v hold no NaN or inf (reads the data; off by default).
+        Check that k and v hold no NaN or inf (reads the data; off by default; on the GPU
+        a synchronisation).
 
     Returns
     -------
@@ -251,8 +300,11 @@ def build_doublep_index(k, v, seq_lens=None, *, n_clusters, iterations=10, n_sin
     >>> index.sizes.sum(axis=-1)  # middle tokens: 300 - 4 sinks - 64 window
     array([[232, 232]])
     """
-    if backend_of(k=k, v=v, seq_lens=seq_lens) != "numpy":
-        raise cuda_not_implemented("build_doublep_index", "the k-means prefill kernel")
+    if backend_of(k=k, v=v) == "cuda":
+        return DoublePIndex(**_gpu_index().build_index_gpu(
+            k, v, seq_lens, n_clusters=n_clusters, iterations=iterations, n_sink=n_sink,
+            window=window, seed=seed, check_finite=check_finite))
+    backend_of(k=k, v=v, seq_lens=seq_lens)  # host seq_lens only, for the reference
     B, Hkv, N, D = val.check_kv_inputs(k, v, seq_lens)
     n_clusters = val.check_positive_int("n_clusters", n_clusters)
     if n_clusters > N:
@@ -277,6 +329,10 @@ def _check_index(index, shape, seq_lens):
     if not isinstance(index, DoublePIndex):
         raise TypeError(f"`index` must be a DoublePIndex (from build_doublep_index), "
                         f"got {type(index).__name__}")
+    if not isinstance(index.centroids, np.ndarray):
+        raise TypeError("`index` must hold NumPy arrays to decode NumPy arrays (the reference), "
+                        f"got a GPU index ({_gpu_index().device_label(index)}): build it from "
+                        "NumPy arrays")
     index._check_cache(shape.batch, shape.kv_heads, shape.head_dim)
     lens = lengths(seq_lens, shape.batch, shape.tokens)
     if not np.array_equal(lens, index.seq_lens):
@@ -285,6 +341,16 @@ def _check_index(index, shape, seq_lens):
             f"(call index.append(k, v, seq_lens) after writing new tokens), got {lens.tolist()}"
         )
     return lens
+
+
+def _decode_not_implemented(function: str, kernel: str) -> NotImplementedError:
+    """The error of a decode call on GPU arrays: the index exists on the GPU, the decode
+    kernel does not yet."""
+    return NotImplementedError(
+        f"`{function}` has no CUDA kernel yet ({kernel}; build_doublep_index and "
+        "DoublePIndex.append do run on the GPU); pass NumPy arrays, with an index built from "
+        "NumPy arrays, to run the reference implementation on the CPU"
+    )
 
 
 def _diagnostics(lens, d) -> Diagnostics:
@@ -363,8 +429,9 @@ def doublep_attention(q, k, v, seq_lens=None, *, index, p1=0.95, p2=0.7, approx=
     >>> doublep_attention(q, k, v, index=index, approx="sample", budget=8, seed=1).shape
     (1, 4, 16)
     """
-    if backend_of(q=q, k=k, v=v, seq_lens=seq_lens) != "numpy":
-        raise cuda_not_implemented("doublep_attention", "the Double-P decode kernel")
+    if backend_of(q=q, k=k, v=v) == "cuda":
+        raise _decode_not_implemented("doublep_attention", "the Double-P decode kernel")
+    backend_of(q=q, k=k, v=v, seq_lens=seq_lens)  # host seq_lens only, for the reference
     shape = val.check_attention_inputs(q, k, v, seq_lens)
     p1 = val.check_probability("p1", p1)
     p2 = val.check_probability("p2", p2)
@@ -431,8 +498,9 @@ def cluster_topk_attention(q, k, v, seq_lens=None, *, index, clusters, softmax_s
     >>> cluster_topk_attention(q, k, v, index=index, clusters=4).shape
     (1, 4, 16)
     """
-    if backend_of(q=q, k=k, v=v, seq_lens=seq_lens) != "numpy":
-        raise cuda_not_implemented("cluster_topk_attention", "the cluster top-k decode kernel")
+    if backend_of(q=q, k=k, v=v) == "cuda":
+        raise _decode_not_implemented("cluster_topk_attention", "the cluster top-k decode kernel")
+    backend_of(q=q, k=k, v=v, seq_lens=seq_lens)  # host seq_lens only, for the reference
     shape = val.check_attention_inputs(q, k, v, seq_lens)
     clusters = val.check_positive_int("clusters", clusters)
     scale = val.check_scale(softmax_scale, shape.head_dim)

@@ -4,7 +4,8 @@ Nothing here is imported by ``import stochattn``; kernels compile on first use.
 """
 
 _LAZY = {"exact_decode": ".exact", "santa_prop": ".santa", "santa_flash": ".flash",
-         "flash_diagnostics": ".flash"}
+         "flash_diagnostics": ".flash", "kmeans_gpu": ".kmeans",
+         "build_index_gpu": ".doublep_index"}
 
 
 def __getattr__(name):  # lazy: importing the package imports no CuPy and compiles nothing

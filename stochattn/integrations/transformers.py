@@ -39,7 +39,7 @@ prefill uses ``seed`` and ``offset = (t * n_layers + l) mod 2**32``.
 compiled decode forward (transformers' generate compiles one by itself with a StaticCache
 on a GPU) the estimator runs eagerly between the compiled pieces. Not supported (errors
 say so): dropout in decode, logit soft-capping, attention sinks (``s_aux``), position
-biases. Double-P on CUDA tensors raises ``NotImplementedError`` until its k-means and
+biases. Double-P on CUDA tensors raises ``NotImplementedError`` until its
 decode kernels exist. Importing this module imports neither PyTorch nor transformers;
 :func:`register` does.
 """
@@ -302,8 +302,9 @@ class _doublep_context:
     def __exit__(self, exc_type, exc, tb):
         if exc_type is NotImplementedError:
             raise NotImplementedError(
-                f"{exc}. estimator='doublep' on CUDA tensors needs the GPU Double-P kernels, "
-                "which do not exist yet; a model on the CPU runs the NumPy reference"
+                f"{exc}. estimator='doublep' on CUDA tensors needs the GPU Double-P decode "
+                "kernels (the index is built and grown on the GPU, the decode kernel does not "
+                "exist yet); a model on the CPU runs the NumPy reference"
             ) from exc
         return False
 

@@ -321,7 +321,7 @@ def test_doublep_on_cuda_raises_not_implemented():
     register(NAME, estimator="doublep")
     model.set_attn_implementation(NAME)
     with torch.no_grad(), pytest.raises(NotImplementedError,
-                                        match=r"has no CUDA kernel yet.*GPU Double-P kernels"):
+                                        match=r"has no CUDA kernel yet.*GPU Double-P decode kernels"):
         model.generate(ids, max_new_tokens=2, do_sample=False)
 
 
