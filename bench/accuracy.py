@@ -49,7 +49,10 @@ GRID = (
     [(f"santa-{smp}-{S}", f"SANTA prop {smp}", "santa",
       dict(budget=S, sampler=smp, schedule="prop"))
      for smp in ("systematic", "stratified", "iid") for S in (16, 64, 256)]
-    + [(f"topk-{k}", "oracle top-k", "topk", dict(budget=k)) for k in (16, 64, 256)]
+    # S = 128: the budget of the accuracy target (systematic, within 1% perplexity at 8k)
+    + [("santa-systematic-128", "SANTA prop systematic", "santa",
+        dict(budget=128, sampler="systematic", schedule="prop"))]
+    + [(f"topk-{k}", "oracle top-k", "topk", dict(budget=k)) for k in (16, 64, 128, 256)]
     + [(f"quest-{b}", "Quest", "quest", dict(budget=b)) for b in (64, 256)]
     + [(f"top_p-{p}", "oracle top-p", "top_p", dict(p=p)) for p in (0.9, 0.95, 0.99)]
     # Double-P on the decode-faithful index (bench.llm.evaluate.decode_index: k-means of the
