@@ -254,3 +254,19 @@ def check_bool(name: str, value) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"`{name}` must be a bool, got {type(value).__name__}")
     return bool(value)
+
+
+def check_index_options(n_clusters, tokens: int, iterations, n_sink, window, seed):
+    """The k-means index options of ``build_doublep_index`` (both backends): returns
+    ``(n_clusters, iterations, n_sink, window, seed)`` as checked ints."""
+    n_clusters = check_positive_int("n_clusters", n_clusters)
+    if n_clusters > tokens:
+        raise ValueError(
+            f"`n_clusters` must be <= {tokens} (the seq axis of `k`): more clusters than tokens, "
+            f"got {n_clusters}"
+        )
+    iterations = check_nonnegative_int("iterations", iterations)
+    n_sink = check_nonnegative_int("n_sink", n_sink)
+    window = check_nonnegative_int("window", window)
+    seed, _ = check_seed_offset(seed, 0)
+    return n_clusters, iterations, n_sink, window, seed

@@ -306,16 +306,8 @@ def build_doublep_index(k, v, seq_lens=None, *, n_clusters, iterations=10, n_sin
             window=window, seed=seed, check_finite=check_finite))
     backend_of(k=k, v=v, seq_lens=seq_lens)  # host seq_lens only, for the reference
     B, Hkv, N, D = val.check_kv_inputs(k, v, seq_lens)
-    n_clusters = val.check_positive_int("n_clusters", n_clusters)
-    if n_clusters > N:
-        raise ValueError(
-            f"`n_clusters` must be <= {N} (the seq axis of `k`): more clusters than tokens, "
-            f"got {n_clusters}"
-        )
-    iterations = val.check_nonnegative_int("iterations", iterations)
-    n_sink = val.check_nonnegative_int("n_sink", n_sink)
-    window = val.check_nonnegative_int("window", window)
-    seed, _ = val.check_seed_offset(seed, 0)
+    n_clusters, iterations, n_sink, window, seed = val.check_index_options(
+        n_clusters, N, iterations, n_sink, window, seed)
     if check_finite:
         val.check_finite(k=k, v=v)
     lens = lengths(seq_lens, B, N)

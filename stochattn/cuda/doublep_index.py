@@ -381,16 +381,8 @@ def build_index_gpu(k, v, seq_lens=None, *, n_clusters, iterations=10, n_sink=4,
     """
     api, k, v = _cache_arrays("build_doublep_index", k, v)
     (B, Hkv, N, D), device = _check_cache(api, k, v)
-    n_clusters = val.check_positive_int("n_clusters", n_clusters)
-    if n_clusters > N:
-        raise ValueError(
-            f"`n_clusters` must be <= {N} (the seq axis of `k`): more clusters than tokens, "
-            f"got {n_clusters}"
-        )
-    iterations = val.check_nonnegative_int("iterations", iterations)
-    n_sink = val.check_nonnegative_int("n_sink", n_sink)
-    window = val.check_nonnegative_int("window", window)
-    seed, _ = val.check_seed_offset(seed, 0)
+    n_clusters, iterations, n_sink, window, seed = val.check_index_options(
+        n_clusters, N, iterations, n_sink, window, seed)
     if check_finite:
         val.check_finite(k=k, v=v)
     kmeans = _kmeans_module()
