@@ -8,7 +8,9 @@ cache grows. The arithmetic is documented in :mod:`stochattn.reference.kmeans` a
 :mod:`stochattn.reference.doublep`.
 
 On GPU arrays (CuPy, PyTorch CUDA tensors) the index is built and grown on the device by
-:mod:`stochattn.cuda.doublep_index`; the decode functions have no GPU kernel yet.
+:mod:`stochattn.cuda.doublep_index`, and the decode functions run the kernels of
+:mod:`stochattn.cuda.doublep` (``approx="centroid"`` and fixed top-k clusters; the sampled
+variant ``approx="sample"`` is reference-only so far).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _validation as val
-from ._backend import backend_of
+from ._backend import backend_of, cuda_not_implemented
 from .diagnostics import Diagnostics
 from .reference import doublep as _ref
 from .reference import kmeans as _km
@@ -335,14 +337,36 @@ def _check_index(index, shape, seq_lens):
     return lens
 
 
-def _decode_not_implemented(function: str, kernel: str) -> NotImplementedError:
-    """The error of a decode call on GPU arrays: the index exists on the GPU, the decode
-    kernel does not yet."""
-    return NotImplementedError(
-        f"`{function}` has no CUDA kernel yet ({kernel}; build_doublep_index and "
-        "DoublePIndex.append do run on the GPU); pass NumPy arrays, with an index built from "
-        "NumPy arrays, to run the reference implementation on the CPU"
-    )
+def _decode_cuda(function, q, k, v, seq_lens, index, softmax_scale, check_finite,
+                 return_diagnostics, **options):
+    """The GPU path of both decode functions: a GPU index of this cache, then the kernels of
+    :mod:`stochattn.cuda.doublep` (lengths: the index's, on the device)."""
+    from ._backend import host_ints, require_cupy
+
+    if not isinstance(index, DoublePIndex):
+        raise TypeError(f"`index` must be a DoublePIndex (from build_doublep_index), "
+                        f"got {type(index).__name__}")
+    if isinstance(index.centroids, np.ndarray):
+        raise TypeError("`index` must be a GPU index to decode GPU arrays, got a host index: "
+                        "build it with build_doublep_index from the GPU cache")
+    if type(q).__module__.split(".")[0] != "torch":
+        require_cupy(function)
+    from .cuda import doublep as _cuda
+
+    if check_finite:  # synchronises anyway: check the lengths and the data too
+        val.check_finite(q=q, k=k, v=v)
+        if seq_lens is not None:
+            got, want = host_ints(seq_lens), host_ints(index.seq_lens)
+            if not np.array_equal(got, want):
+                raise ValueError(f"`seq_lens` must equal the index's seq_lens {want.tolist()} "
+                                 f"(call index.append(k, v, seq_lens) after writing new tokens), "
+                                 f"got {got.tolist()}")
+    res = _cuda.doublep_decode(q, k, v, index, softmax_scale=softmax_scale,
+                               return_diagnostics=return_diagnostics, **options)
+    if not return_diagnostics:
+        return res
+    out, d = res
+    return out, _diagnostics(host_ints(index.seq_lens), d)
 
 
 def _diagnostics(lens, d) -> Diagnostics:
@@ -421,10 +445,10 @@ def doublep_attention(q, k, v, seq_lens=None, *, index, p1=0.95, p2=0.7, approx=
     >>> doublep_attention(q, k, v, index=index, approx="sample", budget=8, seed=1).shape
     (1, 4, 16)
     """
-    if backend_of(q=q, k=k, v=v) == "cuda":
-        raise _decode_not_implemented("doublep_attention", "the Double-P decode kernel")
-    backend_of(q=q, k=k, v=v, seq_lens=seq_lens)  # host seq_lens only, for the reference
-    shape = val.check_attention_inputs(q, k, v, seq_lens)
+    on_gpu = backend_of(q=q, k=k, v=v) == "cuda"
+    if not on_gpu:
+        backend_of(q=q, k=k, v=v, seq_lens=seq_lens)  # host seq_lens only, for the reference
+        shape = val.check_attention_inputs(q, k, v, seq_lens)
     p1 = val.check_probability("p1", p1)
     p2 = val.check_probability("p2", p2)
     approx = val.check_choice("approx", approx, APPROX)
@@ -436,6 +460,12 @@ def doublep_attention(q, k, v, seq_lens=None, *, index, p1=0.95, p2=0.7, approx=
         raise ValueError(f"`budget` must be None with approx='centroid', got {budget!r}")
     sampler = val.check_choice("sampler", sampler, SAMPLERS)
     seed, offset = val.check_seed_offset(seed, offset)
+    if on_gpu:
+        if approx == "sample":
+            raise cuda_not_implemented("doublep_attention", "approx='sample'; the GPU has "
+                                       "approx='centroid'")
+        return _decode_cuda("doublep_attention", q, k, v, seq_lens, index, softmax_scale,
+                            check_finite, return_diagnostics, p1=p1, p2=p2)
     scale = val.check_scale(softmax_scale, shape.head_dim)
     lens = _check_index(index, shape, seq_lens)
     if check_finite:
@@ -490,11 +520,12 @@ def cluster_topk_attention(q, k, v, seq_lens=None, *, index, clusters, softmax_s
     >>> cluster_topk_attention(q, k, v, index=index, clusters=4).shape
     (1, 4, 16)
     """
+    clusters = val.check_positive_int("clusters", clusters)
     if backend_of(q=q, k=k, v=v) == "cuda":
-        raise _decode_not_implemented("cluster_topk_attention", "the cluster top-k decode kernel")
+        return _decode_cuda("cluster_topk_attention", q, k, v, seq_lens, index, softmax_scale,
+                            check_finite, return_diagnostics, clusters=clusters)
     backend_of(q=q, k=k, v=v, seq_lens=seq_lens)  # host seq_lens only, for the reference
     shape = val.check_attention_inputs(q, k, v, seq_lens)
-    clusters = val.check_positive_int("clusters", clusters)
     scale = val.check_scale(softmax_scale, shape.head_dim)
     lens = _check_index(index, shape, seq_lens)
     if check_finite:

@@ -554,17 +554,25 @@ class FakeGPUArray:
         return (2, 0)
 
 
-@pytest.mark.parametrize("fn, kernel, kwargs", [
-    (doublep_attention, "the Double-P decode kernel", {}),
-    (cluster_topk_attention, "the cluster top-k decode kernel", dict(clusters=2)),
+@pytest.mark.parametrize("fn, kwargs", [
+    (doublep_attention, {}),
+    (cluster_topk_attention, dict(clusters=2)),
 ])
-def test_decode_on_gpu_arrays_says_the_decode_kernel_is_missing(fn, kernel, kwargs):
+def test_decode_on_gpu_arrays_needs_a_gpu_index(fn, kwargs):
     gpu_array = FakeGPUArray()
-    with pytest.raises(NotImplementedError, match=(
-            rf"`{fn.__name__}` has no CUDA kernel yet \({kernel}; build_doublep_index and "
-            r"DoublePIndex.append do run on the GPU\); pass NumPy arrays, with an index built "
-            r"from NumPy arrays, to run the reference implementation on the CPU")):
+    with pytest.raises(TypeError, match=r"`index` must be a DoublePIndex"):
         fn(gpu_array, gpu_array, gpu_array, np.array([3]), index=None, **kwargs)
+    k = np.random.default_rng(1).standard_normal((1, 1, 12, 4))
+    host_index = build_doublep_index(k, k, n_clusters=2, n_sink=1, window=2)
+    with pytest.raises(TypeError, match=r"`index` must be a GPU index to decode GPU arrays"):
+        fn(gpu_array, gpu_array, gpu_array, index=host_index, **kwargs)
+
+
+def test_sampled_variant_on_gpu_arrays_is_not_implemented_yet():
+    gpu_array = FakeGPUArray()
+    with pytest.raises(NotImplementedError, match=r"`doublep_attention` has no CUDA kernel yet "
+                                                  r"\(approx='sample'"):
+        doublep_attention(gpu_array, gpu_array, gpu_array, index=None, approx="sample", budget=4)
 
 
 def test_gpu_build_without_cupy_names_the_extra(monkeypatch):

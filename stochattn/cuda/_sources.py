@@ -44,7 +44,7 @@ SOURCE_DIR = Path(__file__).resolve().parent
 
 # Kernel family -> source file. One cupy.RawModule per family.
 FAMILIES = {"exact_decode": "exact_decode.cu", "santa_prop": "santa_prop.cu",
-            "santa_flash": "santa_flash.cu"}
+            "santa_flash": "santa_flash.cu", "doublep_decode": "doublep_decode.cu"}
 
 # Element type names (validation's dtype names) -> CUDA types.
 CTYPES = {"float16": "stochattn::f16", "bfloat16": "stochattn::bf16"}
@@ -104,6 +104,9 @@ class TileConfig:
             return max(self.stages * 2 * self.stage_bytes, merge)
         if family == "santa_prop":  # K stages
             return self.stages * self.stage_bytes
+        if family == "doublep_decode":  # K+V stages, reused by the merge; the row list follows
+            merge = (2 + head_dim) * (self.threads // 32) * gmax * 4
+            return max(self.stages * 2 * self.stage_bytes, merge)
         if family == "santa_flash":  # K stages, reused by the final sum over warps
             return max(self.stages * self.stage_bytes, head_dim * (self.threads // 32) * gmax * 4)
         raise KeyError(family)
@@ -201,10 +204,19 @@ def name_expressions(family: str, dtypes=None) -> list:
                 for gm in GROUP_MAXES:
                     names.append(f"santa_flash_chunk<{ctype}, {d}, {gm}>")
             names.append(f"exact_decode_merge<{ctype}>")  # included from exact_decode.cu
+        elif family == "doublep_decode":
+            for d in HEAD_DIMS:
+                for gm in GROUP_MAXES:
+                    names += [f"doublep_cluster_logits<{ctype}, {d}, {gm}>",
+                              f"doublep_attend<{ctype}, {d}, {gm}>",
+                              f"doublep_true_mass<{ctype}, {d}, {gm}>"]
+            names.append(f"exact_decode_merge<{ctype}>")  # included from exact_decode.cu
         else:
             raise KeyError(family)
     if family == "santa_prop":
         names.append("santa_prop_tiles")  # not a template: one kernel for every dtype
+    if family == "doublep_decode":
+        names.append("doublep_select")
     return names
 
 

@@ -14,6 +14,7 @@
 // (4 or 8): the register arrays are sized for GMAX heads and the actual group size
 // G <= GMAX is a run-time argument.
 #include "decode_common.cuh"
+#include "group_state.cuh"
 
 using namespace stochattn;
 
@@ -34,7 +35,6 @@ exact_decode_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __
   const int tid = threadIdx.x;
   const int lr = tid % LPR;   // lane inside the row group: features [8 lr, 8 lr + 8)
   const int rg = tid / LPR;   // row group
-  const int warp = tid / 32, lane = tid % 32;
 
   const long long len = sequence_length(seq_lens, b, N);
   const long long start = (long long)chunk * chunk_len;
@@ -46,19 +46,7 @@ exact_decode_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __
   unsigned char* smem = dynamic_smem();
 
   if (start >= end) {  // nothing in this chunk (past seq_lens[b], or an empty sequence)
-    for (int i = tid; i < G * D; i += kThreads) {
-      const int g = i / D, d = i % D;
-      const long long hrow = head0 + g;
-      if (num_chunks == 1) {
-        out[hrow * D + d] = Elem<T>::from_float(0.f);
-      } else {
-        part_o[(hrow * num_chunks + chunk) * D + d] = 0.f;
-        if (d == 0) {
-          part_ml[(hrow * num_chunks + chunk) * 2 + 0] = STOCHATTN_NEG_INF;
-          part_ml[(hrow * num_chunks + chunk) * 2 + 1] = 0.f;
-        }
-      }
-    }
+    write_empty_group<T, D>(G, head0, out, part_o, part_ml, num_chunks, chunk);
     return;
   }
 
@@ -120,120 +108,20 @@ exact_decode_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __
     group_partial_dots<T, D, GMAX>(sk, rg, lr, G, qf, x);
     row_group_sums<LPR>(x, lr);
 
-    // Online softmax, one max shift per head per stage. Masked rows (past `end`) get
-    // weight 0; until a head has seen a valid row its max stays -inf and the shift is
-    // taken as 0 so no inf - inf arises (exp2(-inf) = 0 then).
-#pragma unroll
-    for (int g = 0; g < GMAX; ++g) {
-      if (g < G) {
-        float xm = STOCHATTN_NEG_INF;
-#pragma unroll
-        for (int p = 0; p < RPT; ++p) {
-          const bool valid = row0 + rg + p * RG < end;
-          x[p * GMAX + g] = valid ? x[p * GMAX + g] : STOCHATTN_NEG_INF;
-          xm = fmaxf(xm, x[p * GMAX + g]);
-        }
-        const float mn = fmaxf(m[g], xm);
-        const float shift = mn == STOCHATTN_NEG_INF ? 0.f : mn;
-        // Max shift (flash attention): rescale the running sums to the new max.
-        const float corr = exp2f(m[g] - shift);
-        l[g] *= corr;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[g][e] *= corr;
-#pragma unroll
-        for (int p = 0; p < RPT; ++p) {
-          const float w = exp2f(x[p * GMAX + g] - shift);  // 0 for masked rows
-          x[p * GMAX + g] = w;
-          l[g] += w;
-        }
-        m[g] = mn;
-      }
-    }
+    // Rows past `end` get logit -inf (weight 0), then the stage enters the online softmax.
 #pragma unroll
     for (int p = 0; p < RPT; ++p) {
-      float vf[8];
-      unpack8<T>(*reinterpret_cast<const uint4*>(sv + (rg + p * RG) * (D * 2) + lr * 16), vf);
+      const bool valid = row0 + rg + p * RG < end;
 #pragma unroll
-      for (int g = 0; g < GMAX; ++g) {
-        if (g < G) {
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(x[p * GMAX + g], vf[e], acc[g][e]);
-        }
-      }
+      for (int g = 0; g < GMAX; ++g) x[p * GMAX + g] = valid ? x[p * GMAX + g] : STOCHATTN_NEG_INF;
     }
+    accumulate_stage<T, D, GMAX>(x, sv, rg, lr, G, m, l, acc);
   }
   cp_async_wait<0>();
   __syncthreads();  // the stage buffers become the merge buffers below
 
-  // Merge the row groups of a warp (partners share lr: offsets are multiples of LPR).
-#pragma unroll
-  for (int off = LPR; off < 32; off <<= 1) {
-#pragma unroll
-    for (int g = 0; g < GMAX; ++g) {
-      if (g < G) {
-        const float mo = __shfl_xor_sync(0xffffffffu, m[g], off);
-        const float lo = __shfl_xor_sync(0xffffffffu, l[g], off);
-        float ao[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) ao[e] = __shfl_xor_sync(0xffffffffu, acc[g][e], off);
-        const float mn = fmaxf(m[g], mo);
-        if (mn != STOCHATTN_NEG_INF) {
-          const float c1 = exp2f(m[g] - mn), c2 = exp2f(mo - mn);
-          l[g] = l[g] * c1 + lo * c2;
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[g][e] = acc[g][e] * c1 + ao[e] * c2;
-          m[g] = mn;
-        }
-      }
-    }
-  }
-
-  float* sm_m = reinterpret_cast<float*>(smem);   // [kWarps][GMAX]
-  float* sm_l = sm_m + kWarps * GMAX;             // [kWarps][GMAX]
-  float* sm_acc = sm_l + kWarps * GMAX;           // [kWarps][GMAX][D]
-  // Merge buffers: (2 + D) * kWarps * GMAX floats; the host sizes the dynamic shared
-  // memory as the larger of this and the pipeline (_sources.TileConfig.smem_bytes).
-  if (lane < LPR) {  // row group 0 of each warp now holds the warp's merged state
-#pragma unroll
-    for (int g = 0; g < GMAX; ++g) {
-      if (g < G) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) sm_acc[(warp * GMAX + g) * D + lr * 8 + e] = acc[g][e];
-        if (lr == 0) {
-          sm_m[warp * GMAX + g] = m[g];
-          sm_l[warp * GMAX + g] = l[g];
-        }
-      }
-    }
-  }
-  __syncthreads();
-
-  for (int i = tid; i < G * D; i += kThreads) {
-    const int g = i / D, d = i % D;
-    float M = STOCHATTN_NEG_INF;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, sm_m[w * GMAX + g]);
-    float L = 0.f, o = 0.f;
-    if (M != STOCHATTN_NEG_INF) {
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const float c = exp2f(sm_m[w * GMAX + g] - M);  // warps that saw nothing: 0
-        L = fmaf(sm_l[w * GMAX + g], c, L);
-        o = fmaf(sm_acc[(w * GMAX + g) * D + d], c, o);
-      }
-    }
-    const float res = L > 0.f ? o / L : 0.f;
-    const long long hrow = head0 + g;
-    if (num_chunks == 1) {
-      out[hrow * D + d] = Elem<T>::from_float(res);
-    } else {
-      part_o[(hrow * num_chunks + chunk) * D + d] = res;
-      if (d == 0) {
-        part_ml[(hrow * num_chunks + chunk) * 2 + 0] = M;
-        part_ml[(hrow * num_chunks + chunk) * 2 + 1] = L;
-      }
-    }
-  }
+  finish_group_state<T, D, GMAX>(m, l, acc, G, smem, head0, out, part_o, part_ml, num_chunks,
+                                 chunk);
 }
 
 // Combine the chunks of each (b, query head): out = sum_c w_c o_c / sum_c w_c with

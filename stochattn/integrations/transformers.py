@@ -39,8 +39,8 @@ prefill uses ``seed`` and ``offset = (t * n_layers + l) mod 2**32``.
 compiled decode forward (transformers' generate compiles one by itself with a StaticCache
 on a GPU) the estimator runs eagerly between the compiled pieces. Not supported (errors
 say so): dropout in decode, logit soft-capping, attention sinks (``s_aux``), position
-biases. Double-P on CUDA tensors raises ``NotImplementedError`` until its
-decode kernels exist. Importing this module imports neither PyTorch nor transformers;
+biases. Double-P's sampled variant (``approx="sample"``) on CUDA tensors raises
+``NotImplementedError`` until its kernel exists (``approx="centroid"`` runs on the GPU). Importing this module imports neither PyTorch nor transformers;
 :func:`register` does.
 """
 
@@ -302,9 +302,9 @@ class _doublep_context:
     def __exit__(self, exc_type, exc, tb):
         if exc_type is NotImplementedError:
             raise NotImplementedError(
-                f"{exc}. estimator='doublep' on CUDA tensors needs the GPU Double-P decode "
-                "kernels (the index is built and grown on the GPU, the decode kernel does not "
-                "exist yet); a model on the CPU runs the NumPy reference"
+                f"{exc}. estimator='doublep' on CUDA tensors runs approx='centroid' on the GPU; "
+                "the sampled variant has no GPU kernel yet (a model on the CPU runs the NumPy "
+                "reference of both)"
             ) from exc
         return False
 

@@ -309,10 +309,11 @@ def test_views_stack_repr_and_errors(fw):
     assert ("'cupy:0'" in text) if fw.name == "cupy" else ("'torch:cuda:0'" in text)
 
     q = fw.array(np.ones((3, 4, 8)))
-    with pytest.raises(NotImplementedError, match=r"`doublep_attention` has no CUDA kernel yet "
-                                                  r"\(the Double-P decode kernel; build_doublep_index"):
+    # A GPU index decodes on the GPU (tests/gpu/test_cuda_doublep.py), whose kernels need
+    # head_dim 64 or 128: this D = 8 cache gets the kernels' error.
+    with pytest.raises(ValueError, match=r"`q` head_dim must be one of \(64, 128\) on the GPU"):
         stochattn.doublep_attention(q, kd, vd, fw.lens(lens), index=index)
-    with pytest.raises(NotImplementedError, match=r"`cluster_topk_attention` has no CUDA kernel yet"):
+    with pytest.raises(ValueError, match=r"`q` head_dim must be one of"):
         stochattn.cluster_topk_attention(q, kd, vd, index=index, clusters=2)
     with pytest.raises(TypeError, match=r"`index` must hold NumPy arrays to decode NumPy arrays"):
         stochattn.doublep_attention(np.ones((3, 4, 8), dtype=np.float32), k32, v32, lens,

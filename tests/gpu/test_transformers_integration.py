@@ -6,14 +6,14 @@ CUDA GPU (the kernels, zero copy); the whole file needs PyTorch and transformers
 - a decode call returns exactly (bit for bit) what a direct call of the estimator on the
   same tensors returns, with the documented random offset ``step * n_layers + layer``;
 - with exact settings (estimator "exact", SANTA with a budget above the cache length, i.e.
-  the exact fallback; Double-P with p1 = p2 = 1 on the CPU) greedy generation gives the
+  the exact fallback; Double-P with p1 = p2 = 1) greedy generation gives the
   tokens of transformers' SDPA attention (a tiny random Llama whose greedy choices have
   margins far above the rounding differences between the two attention kernels);
 - on the GPU the kernels read the cache tensors in place: the pointers they get are the
   data pointers of the DynamicCache / StaticCache tensors;
 - lengths come from the mask (StaticCache: the filled prefix), left padding is rejected,
-  Double-P's index is built at prefill and grows with each token, and Double-P on CUDA
-  tensors raises NotImplementedError until its kernels exist.
+  Double-P's index is built at prefill and grows with each token (on the GPU too), and
+  its sampled variant on CUDA tensors raises NotImplementedError until its kernel exists.
 """
 
 from __future__ import annotations
@@ -240,8 +240,6 @@ EXACT_SETTINGS = [
 ])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_exact_settings_generate_the_tokens_of_sdpa(device, estimator, params, cache):
-    if device == "cuda" and estimator == "doublep":
-        pytest.skip("Double-P has no GPU kernels yet (see the NotImplementedError test)")
     dtype = torch.float32 if device == "cpu" else torch.float16
     model, ids = _tiny(device, dtype)
     kw = {} if cache == "dynamic" else dict(cache_implementation="static")
@@ -316,13 +314,26 @@ def test_doublep_index_is_built_at_prefill_and_grows():
 
 
 @pytest.mark.gpu
-def test_doublep_on_cuda_raises_not_implemented():
+def test_doublep_sampled_variant_on_cuda_raises_not_implemented():
     model, ids = _tiny("cuda", torch.float16)
-    register(NAME, estimator="doublep")
+    register(NAME, estimator="doublep", approx="sample", budget=16)
     model.set_attn_implementation(NAME)
     with torch.no_grad(), pytest.raises(NotImplementedError,
-                                        match=r"has no CUDA kernel yet.*GPU Double-P decode kernels"):
+                                        match=r"has no CUDA kernel yet.*sampled variant has no GPU"):
         model.generate(ids, max_new_tokens=2, do_sample=False)
+
+
+@pytest.mark.gpu
+def test_doublep_on_cuda_generates_and_grows_its_gpu_index():
+    model, ids = _tiny("cuda", torch.float16)
+    attn = register(NAME, estimator="doublep", p1=0.95, p2=0.7, n_clusters=8, window=16)
+    model.set_attn_implementation(NAME)
+    layers = [layer.self_attn for layer in model.model.layers]
+    new, _ = _generate(model, ids, NAME, new=5)
+    assert new.shape == (1, 5)
+    index = attn.index(layers[0])
+    assert index.centroids.is_cuda  # built and grown on the GPU
+    assert [attn.index(m).seq_lens.tolist() for m in layers] == [[100], [100]]
 
 
 # ---- zero copy on the GPU ------------------------------------------------------------------

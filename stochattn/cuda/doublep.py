@@ -1,0 +1,273 @@
+"""Double-P decode and fixed top-k clusters on the GPU (doublep_decode.cu).
+
+The public entry points are :func:`stochattn.doublep_attention` and
+:func:`stochattn.cluster_topk_attention`, which validate their arguments and call
+:func:`doublep_decode` for GPU arrays with a GPU index (built by
+:func:`stochattn.build_doublep_index` from GPU arrays). One call is four launches on the
+caller's current stream, with no host synchronisation (the kernel file's header says what
+each does): cluster logits, the per-head selection (radix select, no sort), the attention
+over the exact tokens and the approximated clusters (split-K), and the merge. Diagnostics
+add one launch over the whole cache (the true mass needs every logit) and copy a few
+arrays to the host.
+
+Differences from the float64 reference: logits, weights and sums are float32, so a cluster
+whose cumulative estimated mass lies within float32 rounding of ``p1`` or ``p2`` (or whose
+logit ties another's within rounding, for top-k) may be selected differently; the
+estimated mass is summed in 40-bit fixed point (exact and order-independent, weights below
+2^-40 of the largest count as 0, except that ``p = 1`` keeps every non-empty cluster as the
+reference does).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _inputs, _module, _sources
+from ._arrays import ops_for
+from ._sources import group_max
+
+__all__ = ["doublep_decode", "MAX_CHUNK_TOKENS"]
+
+MAX_CHUNK_TOKENS = 4096  # token-chunk length cap: the row list lives in shared memory
+_LOGIT_THREADS = 256  # doublep_decode.cu: kLogitThreads
+_SELECT_THREADS = 256  # doublep_decode.cu: kSelectThreads
+_CLUSTERS_PER_LOGIT_CTA = 128
+_CLUSTERS_PER_ATTEND_CTA = 256
+_INDEX_FIELDS = (("centroids", "float32", 4), ("sizes", "int64", 3), ("value_sums", "float32", 4),
+                 ("labels", "int32", 3), ("seq_lens", "int64", 1), ("window_start", "int64", 1))
+
+
+def doublep_decode(q, k, v, index, *, p1=1.0, p2=1.0, clusters=None, softmax_scale=None,
+                   return_diagnostics=False, num_chunks=None):
+    """One decode step of Double-P (centroid approximation) or, with ``clusters``, of fixed
+    top-k clusters, on the GPU.
+
+    Parameters
+    ----------
+    q : GPU array, shape (B, Hq, D), float16 or bfloat16
+    k, v : GPU array, shape (B, Hkv, N, D), dtype of ``q``
+    index : stochattn.doublep.DoublePIndex
+        A GPU index of this cache (same device); its ``seq_lens`` and ``window_start`` are
+        the lengths used (clamped to N and to the label axis).
+    p1, p2 : float in (0, 1]
+        Stage 1 and stage 2 thresholds (ignored with ``clusters``).
+    clusters : int, optional
+        Fixed top-k clusters: keep this many clusters per head, all exact.
+    softmax_scale : float, optional
+        Default ``1 / sqrt(D)``.
+    return_diagnostics : bool
+        Also return a dict of NumPy arrays (a host synchronisation): clusters_selected,
+        clusters_exact, tokens_exact, estimated_mass, true_mass (B, Hq) and
+        k_rows_read, v_rows_read (B, Hkv).
+    num_chunks : int, optional
+        Token chunks of the attention launch (tests and tuning); default fills the GPU.
+
+    Returns
+    -------
+    out : GPU array (B, Hq, D), dtype of ``q``, in the caller's framework
+    diagnostics : dict, only with ``return_diagnostics``
+    """
+    inp = _inputs.gather(q, k, v)
+    ix = _IndexArrays(index)
+    config = _sources.get_config()
+    centroid = clusters is None
+    key = ("doublep", inp.key, ix.key, centroid, type(softmax_scale), softmax_scale,
+           type(num_chunks), num_chunks, config)
+    plan = _inputs.cached_plan(
+        key, lambda: _DoublePPlan(inp, ix, centroid, softmax_scale, num_chunks, config))
+    return plan.run(inp, ix, int(index.n_sink), float(p1), float(p2),
+                    0 if clusters is None else int(clusters), bool(return_diagnostics))
+
+
+class _IndexArrays:
+    """The index arrays the kernels read: metas (the plan key) and, on demand, pointers."""
+
+    __slots__ = ("arrays", "ops", "key")
+
+    def __init__(self, index):
+        self.arrays = tuple(getattr(index, name) for name, _, _ in _INDEX_FIELDS)
+        self.ops = tuple(ops_for(f"index.{name}", a)
+                         for (name, _, _), a in zip(_INDEX_FIELDS, self.arrays))
+        self.key = tuple((o.name,) + tuple(o.meta(a)) for o, a in zip(self.ops, self.arrays))
+
+    def check(self, shape, device):
+        """Dtypes, shapes and device against the cache (plan time)."""
+        B, Hkv, D = shape.batch, shape.kv_heads, shape.head_dim
+        C = None
+        for (name, dtype, ndim), o, a in zip(_INDEX_FIELDS, self.ops, self.arrays):
+            dt, shp, dev = o.meta(a)
+            shp = tuple(int(x) for x in shp)
+            if dev != device:
+                raise ValueError(f"`index.{name}` must be on the GPU of `q` ({device}), got "
+                                 f"{'the host' if dev < 0 else f'device {dev}'}")
+            if o.dtype_name(dt) != dtype or len(shp) != ndim:
+                raise TypeError(f"`index.{name}` must be a {ndim}-d {dtype} array (a GPU index "
+                                f"from build_doublep_index), got {o.dtype_name(dt)} {shp}")
+            if name == "centroids":
+                C = shp[2]
+                want = (B, Hkv, C, D)
+            elif name == "value_sums":
+                want = (B, Hkv, C, D)
+            elif name == "sizes":
+                want = (B, Hkv, C)
+            elif name == "labels":
+                want = (B, Hkv, shp[2])
+            else:
+                want = (B,)
+            if shp != want:
+                raise ValueError(f"`index.{name}` must have shape {want} for this cache, got {shp}")
+        return C, int(self.arrays[3].shape[2])
+
+    def pointers(self):
+        return tuple(np.uint64(o.ptr(o.contiguous("index", a)))
+                     for o, a in zip(self.ops, self.arrays))
+
+
+class _DoublePPlan:
+    """Everything one configuration of :func:`doublep_decode` needs, resolved once."""
+
+    def __init__(self, inp, ix, centroid, softmax_scale, num_chunks, config):
+        s, scale, self.device, dtype_name = _inputs.base_plan(inp, softmax_scale)
+        num_chunks = _inputs.check_num_chunks(num_chunks)
+        C, NL = ix.check(s, self.device)
+        self.shape, self.C = s, C
+        ctype = _sources.CTYPES[dtype_name]
+        gm = group_max(s.group)
+        D = s.head_dim
+        stage = config.smem_bytes("doublep_decode", D, gm)
+        self.threads = config.threads
+        fam = "doublep_decode"
+        with _inputs.device_scope(self.device):
+            self.logits = _module.launcher(fam, f"doublep_cluster_logits<{ctype}, {D}, {gm}>", 0,
+                                           config)
+            self.select = _module.launcher(fam, "doublep_select", 0, config)
+            name = f"doublep_attend<{ctype}, {D}, {gm}>"
+            smem_max = stage + _align(MAX_CHUNK_TOKENS * 5, 16)
+            if num_chunks is None:
+                slots = _module.num_sms() * _module.ctas_per_sm(fam, name, config.threads, smem_max,
+                                                                config)
+                chunks, chunk_len = _module.choose_chunks(s.batch * s.kv_heads, s.tokens, 256, slots,
+                                                          min_chunk=1024)
+            else:
+                chunk_len = math.ceil(s.tokens / num_chunks)
+            chunk_len = max(32, min(MAX_CHUNK_TOKENS, math.ceil(chunk_len / 32) * 32))
+            tok_chunks = max(1, math.ceil(s.tokens / chunk_len))
+            self.list_off = stage
+            # Always the largest list: the opt-in above 48 KB is an attribute of the kernel,
+            # shared by every plan, so all plans launch with one size.
+            self.attend = _module.launcher(fam, name, smem_max, config)
+            cl_chunks = math.ceil(C / _CLUSTERS_PER_ATTEND_CTA) if centroid else 0
+            total = tok_chunks + cl_chunks
+            self.merge = (_module.launcher(fam, f"exact_decode_merge<{ctype}>", 0, config)
+                          if total > 1 else None)
+            self.true_mass = _module.launcher(fam, f"doublep_true_mass<{ctype}, {D}, {gm}>", 0,
+                                              config)
+        self.tok_chunks, self.chunk_len, self.total = tok_chunks, chunk_len, total
+        rows = s.batch * s.q_heads
+        self.grid_logits = (math.ceil(C / _CLUSTERS_PER_LOGIT_CTA), s.kv_heads, s.batch)
+        self.grid_select = (rows,)
+        self.grid_attend = (total, s.kv_heads, s.batch)
+        self.merge_grid = (rows,)
+        self.out_shape = (s.batch, s.q_heads, D)
+        scale_log2 = np.float32(scale * math.log2(math.e))
+        self.scale_log2 = scale_log2
+        # One scratch buffer: xb (f32, rows x C), codes (u8, B Hkv C 8), partial outputs
+        # (f32, rows x total x D), (m, l) pairs (f32, rows x total x 2).
+        sizes = (4 * rows * C, 8 * s.batch * s.kv_heads * C, 4 * rows * total * D, 8 * rows * total)
+        self.offsets, self.scratch_bytes = _layout(sizes)
+        cap = min(s.tokens, NL)
+        self.tail_logits = (np.int32(s.kv_heads), np.int32(s.group), np.int32(C),
+                            np.int32(_CLUSTERS_PER_LOGIT_CTA), scale_log2)
+        self.select_mid = (np.int32(s.kv_heads), np.int32(s.group), np.int32(C), np.int64(cap))
+        self.attend_mid = (np.int32(s.kv_heads), np.int32(s.group), np.int64(s.tokens), np.int64(NL),
+                           np.int32(C))
+        self.attend_tail = (np.int32(tok_chunks), np.int32(chunk_len),
+                            np.int32(_CLUSTERS_PER_ATTEND_CTA), np.int32(total),
+                            np.int32(self.list_off), scale_log2)
+        self.merge_tail = (np.int32(total), np.int32(D))
+
+    def run(self, inp, ix, n_sink, p1, p2, count, diagnostics):
+        ops = inp.ops
+        s = self.shape
+        with _inputs.device_scope(self.device):
+            qp, kp, vp, _null, _keep, stream = _inputs.launch_args(inp, None, False, s, self.device)
+            cent, sizes, vsums, labels, lens, ws = ix.pointers()
+            out = ops.empty(inp.q, self.out_shape)
+            outp = np.uint64(ops.ptr(out))
+            scratch = ops.empty(inp.q, (self.scratch_bytes,), "uint8")
+            xb, codes, po, pml = (np.uint64(ops.ptr(scratch) + o) for o in self.offsets)
+            null = _inputs.NULL
+            if diagnostics:
+                rows = s.batch * s.q_heads
+                diag = ops.empty(inp.q, (_align(32 * rows) + 8 * s.batch * s.kv_heads,), "uint8")
+                stats = np.uint64(ops.ptr(diag))
+                rows_read = np.uint64(ops.ptr(diag) + _align(32 * rows))
+            else:
+                stats = rows_read = null
+            self.logits(self.grid_logits, (_LOGIT_THREADS,), (qp, cent, sizes, xb) + self.tail_logits,
+                        stream)
+            self.select(self.grid_select, (_SELECT_THREADS,),
+                        (xb, sizes, lens, ws, codes, stats, rows_read) + self.select_mid
+                        + (np.int32(n_sink), np.float64(p1), np.float64(p2),
+                           np.int32(1 if count else 0), np.int32(count)), stream)
+            self.attend(self.grid_attend, (self.threads,),
+                        (qp, kp, vp, lens, ws, labels, codes, xb, sizes, vsums, outp, po, pml,
+                         rows_read) + self.attend_mid + (np.int32(n_sink),) + self.attend_tail,
+                        stream)
+            if self.merge is not None:
+                self.merge(self.merge_grid, (s.head_dim,), (po, pml, outp) + self.merge_tail, stream)
+            if not diagnostics:
+                return out
+            return out, self._diagnostics(inp, diag, codes, (lens, ws, labels), n_sink, stream)
+
+    def _diagnostics(self, inp, diag, codes, lens_ws_labels, n_sink, stream):
+        """The true-mass launch and the host copies (synchronises)."""
+        ops = inp.ops
+        s = self.shape
+        rows = s.batch * s.q_heads
+        tm_chunks = max(1, min(64, math.ceil(s.tokens / 2048)))
+        tm_len = math.ceil(s.tokens / tm_chunks)
+        part = ops.empty(inp.q, (rows * tm_chunks * 3,), "float32")
+        qp, kp = np.uint64(ops.ptr(inp.q)), np.uint64(ops.ptr(inp.k))
+        lens, ws, labels = lens_ws_labels
+        self.true_mass((tm_chunks, s.kv_heads, s.batch), (_LOGIT_THREADS,),
+                       (qp, kp, lens, ws, labels, codes, np.uint64(ops.ptr(part)), np.int32(s.kv_heads),
+                        np.int32(s.group), np.int64(s.tokens), self.attend_mid[3], np.int32(self.C),
+                        np.int32(n_sink), np.int64(tm_len), self.scale_log2), stream)
+        host = _to_host(ops, diag).view(np.uint8)
+        stats = host[:32 * rows].view(np.float64).reshape(s.batch, s.q_heads, 4)
+        off = _align(32 * rows)
+        read = host[off:off + 8 * s.batch * s.kv_heads].view(np.uint64).reshape(s.batch, s.kv_heads)
+        p = _to_host(ops, part).reshape(rows, tm_chunks, 3).astype(np.float64)
+        M = p[..., 0].max(axis=1, keepdims=True)
+        w = np.where(np.isfinite(p[..., 0]), np.exp2(p[..., 0] - np.where(np.isfinite(M), M, 0)), 0)
+        total = (p[..., 1] * w).sum(axis=1)
+        covered = (p[..., 2] * w).sum(axis=1)
+        true = np.divide(covered, total, out=np.zeros_like(total), where=total > 0)
+        read = read.astype(np.int64)
+        return dict(clusters_selected=stats[..., 0].astype(np.int64),
+                    clusters_exact=stats[..., 1].astype(np.int64),
+                    tokens_exact=stats[..., 2].astype(np.int64),
+                    estimated_mass=stats[..., 3].copy(),
+                    true_mass=true.reshape(s.batch, s.q_heads),
+                    k_rows_read=read, v_rows_read=read.copy())
+
+
+def _to_host(ops, a) -> np.ndarray:
+    if ops.name == "torch":
+        return a.cpu().numpy()
+    return a.get()
+
+
+def _layout(sizes):
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += _align(size)
+    return tuple(offsets), total
+
+
+def _align(nbytes: int, to: int = 256) -> int:
+    return -(-nbytes // to) * to

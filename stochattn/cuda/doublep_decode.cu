@@ -1,0 +1,703 @@
+// Double-P decode (SPEC section 3) and fixed top-k clusters on the GPU, over the index of
+// stochattn/cuda/doublep_index.py. Four launches per call (plus one for diagnostics):
+//
+// 1. doublep_cluster_logits  grid (cluster blocks, Hkv, B): the pseudo-logits of every
+//    cluster for the G heads of a group, in the log2 domain,
+//    xb = log2(e) scale q.C_i + log2(s_i) (-inf for empty clusters), into scratch
+//    (B Hq, C) float32. One warp per centroid row (float32, D / 32 features per lane).
+// 2. doublep_select          grid (B Hq): stage 1 and stage 2 of one query head without a
+//    sort. Clusters are ordered by the 64-bit key (orderable bits of xb) << 32 |
+//    (2^32 - 1 - i), descending: by estimated mass, ties to the lower index, the
+//    reference's order. The shortest prefix reaching a mass target is {key >= T} for the
+//    key T of its last element, found by a radix select over 8-bit digits on the
+//    mass-weighted histogram: weights exp2(xb - max) in fixed point (2^40 per unit, so the
+//    integer histograms are exact and order-independent). Both thresholds (p1 and p2) are
+//    refined in the same passes; a pass that leaves one candidate stops (usually 3 passes).
+//    Writes one code byte per (cluster, head) into (B, Hkv, C, 8): 0 dropped,
+//    1 approximated (C_approx), 2 exact (C_exact); with `counts` (top-k clusters) the
+//    weights are 1 and the target is the count.
+// 3. doublep_attend          grid (token chunks + cluster chunks, Hkv, B), kThreads:
+//    - a token chunk scans its labels, gives each token the bit mask of the group's heads
+//      that compute it exactly (sinks and window: all heads; a middle token: the heads
+//      whose code for its cluster is 2), compacts the tokens any head needs into a
+//      shared-memory list, then streams those K and V rows through the cp.async pipeline
+//      of exact decode (the union over the group is read once; a head's logit is -inf on
+//      rows it does not need);
+//    - a cluster chunk (centroid mode) adds the C_approx clusters as pseudo-tokens:
+//      logit xb, value value_sums / size, one warp per cluster row.
+//    Every CTA writes a normalised partial and its (max, sum) per head.
+// 4. exact_decode_merge (exact_decode.cu) combines the partials.
+//
+// Lengths: the index's (seq_lens and window_start on the device, int64), clamped to the
+// cache and label axes. The logits, weights and sums are float32 (the reference: float64),
+// so a cluster whose cumulative mass lies within float32 rounding of p1 or p2 may be
+// selected differently (documented near-ties).
+#include "decode_common.cuh"
+#include "exact_decode.cu"
+#include "group_state.cuh"
+
+using namespace stochattn;
+
+namespace {
+
+constexpr int kLogitThreads = 256;
+constexpr int kLogitWarps = kLogitThreads / 32;
+constexpr int kSelectThreads = 256;
+constexpr int kSelectWarps = kSelectThreads / 32;
+constexpr float kFixedOne = 1099511627776.0f;  // 2^40: fixed-point unit of the weights
+
+__device__ __forceinline__ long long clamp_len(const long long* __restrict__ lens, int b,
+                                               long long cap) {
+  const long long len = lens[b];
+  return len < 0 ? 0 : (len > cap ? cap : len);
+}
+
+// Eight code bytes of a cluster (one per head of the group; bytes >= G are never written).
+__device__ __forceinline__ unsigned long long codes_of(const unsigned char* __restrict__ codes,
+                                                       long long pair, int C, int c) {
+  return *reinterpret_cast<const unsigned long long*>(codes + ((pair * C + c) << 3));
+}
+
+// Bit g set where head g's code byte equals `want`.
+template <int GMAX>
+__device__ __forceinline__ unsigned heads_with(unsigned long long word, int G, unsigned want) {
+  unsigned mask = 0;
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g)
+    if (g < G && ((word >> (8 * g)) & 0xFFu) == want) mask |= 1u << g;
+  return mask;
+}
+
+// PER consecutive 16-bit elements (PER even, 4-byte aligned) -> floats.
+template <typename T, int PER>
+__device__ __forceinline__ void load_elems(const T* __restrict__ p, float (&f)[PER]) {
+  const unsigned* w = reinterpret_cast<const unsigned*>(p);
+#pragma unroll
+  for (int i = 0; i < PER / 2; ++i) {
+    const float2 two = Elem<T>::pair(w[i]);
+    f[2 * i] = two.x;
+    f[2 * i + 1] = two.y;
+  }
+}
+
+template <int PER>
+__device__ __forceinline__ void load_floats(const float* __restrict__ p, float (&f)[PER]) {
+  if constexpr (PER == 4) {
+    const float4 u = *reinterpret_cast<const float4*>(p);
+    f[0] = u.x; f[1] = u.y; f[2] = u.z; f[3] = u.w;
+  } else {
+    static_assert(PER == 2, "D / 32 features per lane: 2 or 4");
+    const float2 u = *reinterpret_cast<const float2*>(p);
+    f[0] = u.x; f[1] = u.y;
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
+__device__ __forceinline__ unsigned long long warp_sum_u64(unsigned long long x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
+// Block-wide sum or max of kSelectThreads values (all threads get the result). `red` holds
+// kSelectWarps entries; the trailing barrier lets the caller reuse it at once.
+__device__ __forceinline__ unsigned long long block_sum_u64(unsigned long long x,
+                                                            unsigned long long* red) {
+  x = warp_sum_u64(x);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = x;
+  __syncthreads();
+  unsigned long long total = 0;
+#pragma unroll
+  for (int w = 0; w < kSelectWarps; ++w) total += red[w];
+  __syncthreads();
+  return total;
+}
+
+__device__ __forceinline__ float block_max(float x, float* red) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = x;
+  __syncthreads();
+  float m = STOCHATTN_NEG_INF;
+#pragma unroll
+  for (int w = 0; w < kSelectWarps; ++w) m = fmaxf(m, red[w]);
+  __syncthreads();
+  return m;
+}
+
+// Total order of floats as unsigned integers (larger float, larger key).
+__device__ __forceinline__ unsigned orderable(float x) {
+  const unsigned u = __float_as_uint(x);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+}  // namespace
+
+// ---- 1. cluster logits ---------------------------------------------------------------
+
+template <typename T, int D, int GMAX>
+__global__ void __launch_bounds__(kLogitThreads)
+doublep_cluster_logits(const T* __restrict__ q, const float* __restrict__ centroids,
+                       const long long* __restrict__ sizes, float* __restrict__ xb, int Hkv,
+                       int G, int C, int per_cta, float scale_log2) {
+  constexpr int PER = D / 32;
+  const int kvh = blockIdx.y, b = blockIdx.z;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const long long head0 = (long long)b * Hkv * G + (long long)kvh * G;
+  const long long pair = (long long)b * Hkv + kvh;
+
+  float qf[GMAX][PER];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    if (g < G) {
+      load_elems<T, PER>(q + (head0 + g) * D + lane * PER, qf[g]);
+#pragma unroll
+      for (int e = 0; e < PER; ++e) qf[g][e] *= scale_log2;
+    } else {
+#pragma unroll
+      for (int e = 0; e < PER; ++e) qf[g][e] = 0.f;
+    }
+  }
+  const float* cbase = centroids + pair * C * D;
+  const long long* sz = sizes + pair * C;
+  const int c0 = blockIdx.x * per_cta;
+  const int c1 = min(C, c0 + per_cta);
+  // Two rows per warp iteration: both loads in flight before the reductions.
+  for (int c = c0 + warp; c < c1; c += 2 * kLogitWarps) {
+    const int c2 = c + kLogitWarps;
+    float cf[2][PER];
+    load_floats<PER>(cbase + (long long)c * D + lane * PER, cf[0]);
+    if (c2 < c1) {
+      load_floats<PER>(cbase + (long long)c2 * D + lane * PER, cf[1]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < PER; ++e) cf[1][e] = 0.f;
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int cr = r == 0 ? c : c2;
+      float mine = 0.f;  // lane g keeps head g's logit
+#pragma unroll
+      for (int g = 0; g < GMAX; ++g) {
+        if (g < G) {
+          float s = 0.f;
+#pragma unroll
+          for (int e = 0; e < PER; ++e) s = fmaf(qf[g][e], cf[r][e], s);
+          s = warp_sum(s);
+          if (lane == g) mine = s;
+        }
+      }
+      if (cr < c1 && lane < G) {
+        const long long size = sz[cr];
+        xb[(head0 + lane) * C + cr] = size > 0 ? mine + log2f((float)size) : STOCHATTN_NEG_INF;
+      }
+    }
+  }
+}
+
+// ---- 2. selection (stage 1 and stage 2) ----------------------------------------------
+
+// Grid (B * Hq), block kSelectThreads. Row r = b * Hq + h. `p[0]`, `p[1]`: p1, p2 (top-p) or
+// `count` clusters (counts != 0: only selection 0, every selected cluster exact).
+// stats (optional, (B Hq, 4) float64): |C_p|, |C_exact|, exact tokens (sinks + window +
+// tokens of C_exact), estimated mass of C_p (0 for an empty sequence, 1 without clusters).
+// rows_read (optional, B Hkv): zeroed here for the attention launch to count into.
+__global__ void __launch_bounds__(kSelectThreads)
+doublep_select(const float* __restrict__ xb, const long long* __restrict__ sizes,
+               const long long* __restrict__ lens, const long long* __restrict__ window_start,
+               unsigned char* __restrict__ codes, double* __restrict__ stats,
+               unsigned long long* __restrict__ rows_read, int Hkv, int G, int C, long long cap,
+               int n_sink, double p1, double p2, int counts, int count) {
+  __shared__ unsigned long long hist[2][256];
+  __shared__ unsigned cnt[2][256];
+  __shared__ unsigned long long red[kSelectWarps];
+  __shared__ float redf[kSelectWarps];
+  __shared__ unsigned long long prefix[2], pmask[2], above[2], target[2];
+  __shared__ int done[2];
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int row = blockIdx.x;
+  const int Hq = Hkv * G;
+  const int b = row / Hq, h = row % Hq, kvh = h / G, g = h % G;
+  const long long pair = (long long)b * Hkv + kvh;
+  const float* x = xb + (long long)row * C;
+  const long long* sz = sizes + pair * C;
+  const long long L = clamp_len(lens, b, cap);
+  if (rows_read && g == 0 && tid == 0) rows_read[pair] = 0;
+
+  // Max over the non-empty clusters (empty ones hold -inf).
+  float mx = STOCHATTN_NEG_INF;
+  for (int c = tid; c < C; c += kSelectThreads) mx = fmaxf(mx, x[c]);
+  mx = block_max(mx, redf);
+
+  const bool none = mx == STOCHATTN_NEG_INF || L == 0;
+  unsigned long long total_w = 0, n_live = 0;
+  if (!none) {
+    for (int c = tid; c < C; c += kSelectThreads) {
+      const float xc = x[c];
+      if (xc != STOCHATTN_NEG_INF) {
+        total_w += __float2ull_rn(exp2f(xc - mx) * kFixedOne);
+        n_live += 1;
+      }
+    }
+  }
+  total_w = block_sum_u64(total_w, red);
+  n_live = block_sum_u64(n_live, red);
+
+  if (tid == 0) {
+    const int nsel = counts ? 1 : 2;
+    for (int s = 0; s < 2; ++s) {
+      prefix[s] = 0;
+      pmask[s] = 0;
+      above[s] = 0;
+      const double p = s == 0 ? p1 : p2;
+      if (none || s >= nsel) {
+        done[s] = 1;
+        target[s] = 0;
+      } else if (counts) {
+        target[s] = (unsigned long long)count < n_live ? (unsigned long long)count : n_live;
+        done[s] = target[s] >= n_live;  // all of them: threshold key 0
+      } else {
+        // The first prefix whose mass reaches p * total: integer masses reach p * total
+        // exactly when they reach its ceiling.
+        target[s] = (unsigned long long)ceil(p * (double)total_w);
+        done[s] = p >= 1.0;  // p == 1 keeps every non-empty cluster (weights that underflow too)
+      }
+    }
+  }
+  __syncthreads();
+
+  // Radix select, most significant digit first.
+  for (int shift = 56; shift >= 0; shift -= 8) {
+    if (done[0] && done[1]) break;  // shared, read after a barrier: uniform
+    for (int i = tid; i < 2 * 256; i += kSelectThreads) {
+      hist[i / 256][i % 256] = 0;
+      cnt[i / 256][i % 256] = 0;
+    }
+    __syncthreads();
+    for (int base = 0; base < C; base += kSelectThreads) {
+      const int c = base + tid;
+      const float xc = c < C ? x[c] : STOCHATTN_NEG_INF;
+      const bool live = xc != STOCHATTN_NEG_INF;
+      const unsigned long long key =
+          ((unsigned long long)orderable(xc) << 32) | (unsigned long long)(0xFFFFFFFFu - (unsigned)c);
+      const unsigned long long w = counts ? 1ull : (live ? __float2ull_rn(exp2f(xc - mx) * kFixedOne) : 0ull);
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        if (done[s]) continue;  // uniform
+        const bool in = live && (key & pmask[s]) == prefix[s];
+        const unsigned digit = (unsigned)(key >> shift) & 0xFFu;
+        // Warp-aggregated histogram add: one atomic per distinct digit of the warp.
+        unsigned todo = __ballot_sync(0xffffffffu, in);
+        while (todo) {
+          const int leader = __ffs(todo) - 1;
+          const unsigned d0 = __shfl_sync(0xffffffffu, digit, leader);
+          const bool mine = in && digit == d0;
+          const unsigned group = __ballot_sync(0xffffffffu, mine);
+          const unsigned long long sum = warp_sum_u64(mine ? w : 0ull);
+          if (lane == leader) {
+            atomicAdd(&hist[s][d0], sum);
+            atomicAdd(&cnt[s][d0], (unsigned)__popc(group));
+          }
+          todo &= ~group;
+        }
+      }
+    }
+    __syncthreads();
+    // Warp s scans selection s's bins from the top: lane j owns bins 255 - 8j ... 248 - 8j.
+    if (warp < 2 && !done[warp]) {
+      const int s = warp;
+      unsigned long long part = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) part += hist[s][255 - 8 * lane - i];
+      unsigned long long incl = part;  // inclusive scan over lanes (top bins first)
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const unsigned long long y = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += y;
+      }
+      const unsigned long long base_mass = above[s];
+      const unsigned hit = __ballot_sync(0xffffffffu, base_mass + incl >= target[s]);
+      const int first = __ffs(hit) - 1;  // exists: the candidates' mass reaches the target
+      if (lane == first) {
+        unsigned long long run = base_mass + incl - part;
+        int chosen = 255 - 8 * lane - 7;
+        for (int i = 0; i < 8; ++i) {
+          const int d = 255 - 8 * lane - i;
+          if (run + hist[s][d] >= target[s]) {
+            chosen = d;
+            break;
+          }
+          run += hist[s][d];
+        }
+        above[s] = run;  // mass of the keys above the chosen digit's range
+        prefix[s] |= (unsigned long long)chosen << shift;
+        pmask[s] |= 0xFFull << shift;
+        // One candidate left (or every digit fixed): {key >= prefix} is the selection.
+        if (cnt[s][chosen] == 1 || shift == 0) done[s] = 1;
+      }
+    }
+    __syncthreads();
+  }
+
+  // Thresholds: C_p = {key >= tp}; C_exact = {key >= te}, te >= tp (C_exact within C_p).
+  const unsigned long long tp = prefix[0];
+  const unsigned long long te = counts ? tp : (prefix[1] > tp ? prefix[1] : tp);
+  unsigned long long n_p = 0, n_e = 0, tok_e = 0, mass_p = 0;
+  for (int c = tid; c < C; c += kSelectThreads) {
+    const float xc = x[c];
+    unsigned char code = 0;
+    if (!none && xc != STOCHATTN_NEG_INF) {
+      const unsigned long long key =
+          ((unsigned long long)orderable(xc) << 32) | (unsigned long long)(0xFFFFFFFFu - (unsigned)c);
+      if (key >= tp) {
+        code = key >= te ? 2 : 1;
+        n_p += 1;
+        mass_p += __float2ull_rn(exp2f(xc - mx) * kFixedOne);
+        if (code == 2) {
+          n_e += 1;
+          tok_e += (unsigned long long)sz[c];
+        }
+      }
+    }
+    codes[((pair * C + c) << 3) + g] = code;
+  }
+  if (stats) {
+    n_p = block_sum_u64(n_p, red);
+    n_e = block_sum_u64(n_e, red);
+    tok_e = block_sum_u64(tok_e, red);
+    mass_p = block_sum_u64(mass_p, red);
+    if (tid == 0) {
+      double* st = stats + (long long)row * 4;
+      const long long ws = window_start[b];
+      const long long sinks = L < n_sink ? L : n_sink;
+      const long long window = L > ws ? L - ws : 0;
+      st[0] = (double)n_p;
+      st[1] = (double)n_e;
+      st[2] = L == 0 ? 0.0 : (double)(sinks + window + (long long)tok_e);
+      st[3] = L == 0 ? 0.0 : (mx == STOCHATTN_NEG_INF ? 1.0 : (double)mass_p / (double)total_w);
+    }
+  }
+}
+
+// ---- 3. attention over exact tokens and approximated clusters ------------------------
+
+// cp.async copies of this thread's pieces of list entries [i0, i0 + kTileRows): rows
+// `rows[i]` of one (b, kv head) stream; entries at or past `count` are zero-filled (the
+// same thread/piece layout as load_tile_async, so no CTA barrier is needed).
+template <int D>
+__device__ __forceinline__ void load_rows_async(unsigned char* stage, const unsigned char* base,
+                                                const int* __restrict__ rows, int i0, int count) {
+  using Tl = Tiling<D>;
+  constexpr int kRowBytes = D * 2;
+  const int lr = threadIdx.x % Tl::kLanesPerRow, rg = threadIdx.x / Tl::kLanesPerRow;
+#pragma unroll
+  for (int p = 0; p < Tl::kRowsPerThread; ++p) {
+    const int i = i0 + rg + p * Tl::kRowGroups;
+    const bool valid = i < count;
+    const unsigned char* src = valid ? base + (long long)rows[i] * kRowBytes + lr * 16 : base;
+    cp_async16(stage + (rg + p * Tl::kRowGroups) * kRowBytes + lr * 16, src, valid);
+  }
+}
+
+// Centroid pseudo-tokens of the C_approx clusters in [c0, c1) for the G heads: one warp
+// per cluster row, lane owning D / 32 features; then the warps' states are combined.
+template <typename T, int D, int GMAX>
+__device__ __forceinline__ void attend_approx_clusters(
+    const float* __restrict__ xb, const long long* __restrict__ sizes,
+    const float* __restrict__ value_sums, const unsigned char* __restrict__ codes,
+    unsigned char* smem, long long pair, long long head0, int G, int C, int c0, int c1,
+    float* __restrict__ part_o, float* __restrict__ part_ml, int num_chunks, int chunk) {
+  constexpr int PER = D / 32;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  float m[GMAX], l[GMAX], acc[GMAX][PER];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    m[g] = STOCHATTN_NEG_INF;
+    l[g] = 0.f;
+#pragma unroll
+    for (int e = 0; e < PER; ++e) acc[g][e] = 0.f;
+  }
+  for (int c = c0 + warp; c < c1; c += kWarps) {
+    const unsigned amask = heads_with<GMAX>(codes_of(codes, pair, C, c), G, 1u);
+    if (!amask) continue;  // uniform over the warp
+    const float inv = 1.f / (float)sizes[pair * C + c];  // an approximated cluster is non-empty
+    float vf[PER];
+    load_floats<PER>(value_sums + (pair * C + c) * D + lane * PER, vf);
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+      if ((amask >> g) & 1u) {
+        const float xg = xb[(head0 + g) * C + c];
+        const float mn = fmaxf(m[g], xg);
+        const float corr = exp2f(m[g] - mn);  // 0 on the first cluster (m = -inf)
+        const float w = exp2f(xg - mn);
+        l[g] = l[g] * corr + w;
+#pragma unroll
+        for (int e = 0; e < PER; ++e) acc[g][e] = acc[g][e] * corr + w * (vf[e] * inv);
+        m[g] = mn;
+      }
+    }
+  }
+  float* sm_m = reinterpret_cast<float*>(smem);
+  float* sm_l = sm_m + kWarps * GMAX;
+  float* sm_acc = sm_l + kWarps * GMAX;
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    if (g < G) {
+#pragma unroll
+      for (int e = 0; e < PER; ++e) sm_acc[(warp * GMAX + g) * D + lane * PER + e] = acc[g][e];
+      if (lane == 0) {
+        sm_m[warp * GMAX + g] = m[g];
+        sm_l[warp * GMAX + g] = l[g];
+      }
+    }
+  }
+  __syncthreads();
+  combine_warps_and_write<T, D, GMAX>(smem, G, head0, nullptr, part_o, part_ml, num_chunks,
+                                      chunk);
+}
+
+// Grid (tok_chunks + cl_chunks, Hkv, B), kThreads. With a single chunk in all (top-k
+// clusters on a short cache) the CTA writes `out` directly; otherwise partials. Dynamic shared memory: `list_off` bytes
+// for the pipeline (reused by the merge), then chunk_len int32 row ids and chunk_len
+// head-mask bytes. rows_read (optional): union of exact rows per (b, kv head).
+template <typename T, int D, int GMAX>
+__global__ void __launch_bounds__(kThreads)
+doublep_attend(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+               const long long* __restrict__ lens, const long long* __restrict__ window_start,
+               const int* __restrict__ labels, const unsigned char* __restrict__ codes,
+               const float* __restrict__ xb, const long long* __restrict__ sizes,
+               const float* __restrict__ value_sums, T* __restrict__ out,
+               float* __restrict__ part_o, float* __restrict__ part_ml,
+               unsigned long long* __restrict__ rows_read, int Hkv,
+               int G, long long N, long long NL, int C, int n_sink, int tok_chunks,
+               int chunk_len, int cl_per_chunk, int num_chunks, int list_off,
+               float scale_log2) {
+  using Tl = Tiling<D>;
+  constexpr int LPR = Tl::kLanesPerRow;
+  constexpr int RPT = Tl::kRowsPerThread;
+  constexpr int ROWS = Tl::kTileRows;
+  constexpr int RG = Tl::kRowGroups;
+
+  const int chunk = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int lr = tid % LPR, rg = tid / LPR;
+  const long long head0 = (long long)b * Hkv * G + (long long)kvh * G;
+  const long long pair = (long long)b * Hkv + kvh;
+  unsigned char* smem = dynamic_smem();
+
+  if (chunk >= tok_chunks) {
+    const int c0 = (chunk - tok_chunks) * cl_per_chunk;
+    attend_approx_clusters<T, D, GMAX>(xb, sizes, value_sums, codes, smem, pair, head0, G, C, c0,
+                                       min(C, c0 + cl_per_chunk), part_o, part_ml, num_chunks,
+                                       chunk);
+    return;
+  }
+
+  const long long L = clamp_len(lens, b, N < NL ? N : NL);
+  const long long start = (long long)chunk * chunk_len;
+  const long long end = min(start + chunk_len, L);
+  if (start >= end) {
+    write_empty_group<T, D>(G, head0, out, part_o, part_ml, num_chunks, chunk);
+    return;
+  }
+
+  // Phase 1: the chunk's tokens that some head computes exactly, in position order.
+  int* list = reinterpret_cast<int*>(smem + list_off);
+  unsigned char* hmask = reinterpret_cast<unsigned char*>(list + chunk_len);
+  __shared__ int warp_counts[kWarps];
+  const long long ws = window_start[b];
+  const long long sinks = n_sink < L ? n_sink : L;
+  const unsigned all = (1u << G) - 1u;
+  const int* lab = labels + pair * NL;
+  int count = 0;
+  for (long long base = start; base < end; base += kThreads) {
+    const long long t = base + tid;
+    unsigned mask = 0;
+    if (t < end) {
+      if (t < sinks || t >= ws) {
+        mask = all;
+      } else {
+        const int c = lab[t];
+        if (c >= 0 && c < C) mask = heads_with<GMAX>(codes_of(codes, pair, C, c), G, 2u);
+      }
+    }
+    const unsigned ballot = __ballot_sync(0xffffffffu, mask != 0);
+    if (lane == 0) warp_counts[warp] = __popc(ballot);
+    __syncthreads();
+    int before = count, added = 0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      before += w < warp ? warp_counts[w] : 0;
+      added += warp_counts[w];
+    }
+    if (mask) {
+      const int at = before + __popc(ballot & ((1u << lane) - 1u));
+      list[at] = (int)t;
+      hmask[at] = (unsigned char)mask;
+    }
+    count += added;
+    __syncthreads();  // warp_counts is rewritten next round; the list is read below
+  }
+  if (rows_read && tid == 0 && count) atomicAdd(rows_read + pair, (unsigned long long)count);
+  if (count == 0) {
+    write_empty_group<T, D>(G, head0, out, part_o, part_ml, num_chunks, chunk);
+    return;
+  }
+
+  // Phase 2: stream the listed K and V rows (exact decode's pipeline, gathered rows).
+  float qf[GMAX][8];
+  load_group_queries<T, D, GMAX>(q, head0, G, lr, scale_log2, qf);
+  const long long stream_off = pair * N * D;
+  const unsigned char* kbase = reinterpret_cast<const unsigned char*>(k + stream_off);
+  const unsigned char* vbase = reinterpret_cast<const unsigned char*>(v + stream_off);
+  const int ntiles = (count + ROWS - 1) / ROWS;
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < ntiles) {
+      unsigned char* st = smem + s * 2 * kStageBytes;
+      load_rows_async<D>(st, kbase, list, s * ROWS, count);
+      load_rows_async<D>(st + kStageBytes, vbase, list, s * ROWS, count);
+    }
+    cp_async_commit();
+  }
+  float m[GMAX], l[GMAX], acc[GMAX][8];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    m[g] = STOCHATTN_NEG_INF;
+    l[g] = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[g][e] = 0.f;
+  }
+  int rd = 0, wr = kStages - 1;
+  for (int it = 0; it < ntiles; ++it) {
+    cp_async_wait<kStages - 2>();
+    {
+      const int nx = it + kStages - 1;
+      if (nx < ntiles) {
+        unsigned char* st = smem + wr * 2 * kStageBytes;
+        load_rows_async<D>(st, kbase, list, nx * ROWS, count);
+        load_rows_async<D>(st + kStageBytes, vbase, list, nx * ROWS, count);
+      }
+      cp_async_commit();
+    }
+    const unsigned char* sk = smem + rd * 2 * kStageBytes;
+    rd = rd + 1 == kStages ? 0 : rd + 1;
+    wr = wr + 1 == kStages ? 0 : wr + 1;
+    const unsigned char* sv = sk + kStageBytes;
+
+    float x[RPT * GMAX];
+    group_partial_dots<T, D, GMAX>(sk, rg, lr, G, qf, x);
+    row_group_sums<LPR>(x, lr);
+    // A head sees only the rows it computes exactly; entries past `count` none.
+#pragma unroll
+    for (int p = 0; p < RPT; ++p) {
+      const int i = it * ROWS + rg + p * RG;
+      const unsigned hm = i < count ? hmask[i] : 0u;
+#pragma unroll
+      for (int g = 0; g < GMAX; ++g)
+        x[p * GMAX + g] = ((hm >> g) & 1u) ? x[p * GMAX + g] : STOCHATTN_NEG_INF;
+    }
+    accumulate_stage<T, D, GMAX>(x, sv, rg, lr, G, m, l, acc);
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  finish_group_state<T, D, GMAX>(m, l, acc, G, smem, head0, out, part_o, part_ml, num_chunks,
+                                 chunk);
+}
+
+// ---- diagnostics: the true softmax mass of what the selection covers ----------------
+
+// Grid (chunks, Hkv, B), kLogitThreads. Per (head, chunk): (m, sum of all weights, sum of
+// the covered weights), log2 domain, into part[(row * chunks + chunk) * 3]. Covered: sinks,
+// window and the tokens of the clusters with a non-zero code (C_p). One warp per token.
+template <typename T, int D, int GMAX>
+__global__ void __launch_bounds__(kLogitThreads)
+doublep_true_mass(const T* __restrict__ q, const T* __restrict__ k,
+                  const long long* __restrict__ lens, const long long* __restrict__ window_start,
+                  const int* __restrict__ labels, const unsigned char* __restrict__ codes,
+                  float* __restrict__ part, int Hkv, int G, long long N, long long NL, int C,
+                  int n_sink, long long chunk_len, float scale_log2) {
+  constexpr int PER = D / 32;
+  const int chunk = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, chunks = gridDim.x;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const long long head0 = (long long)b * Hkv * G + (long long)kvh * G;
+  const long long pair = (long long)b * Hkv + kvh;
+  const long long L = clamp_len(lens, b, N < NL ? N : NL);
+  const long long ws = window_start[b];
+  const long long sinks = n_sink < L ? n_sink : L;
+  float qf[GMAX][PER];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    if (g < G) {
+      load_elems<T, PER>(q + (head0 + g) * D + lane * PER, qf[g]);
+#pragma unroll
+      for (int e = 0; e < PER; ++e) qf[g][e] *= scale_log2;
+    }
+  }
+  float m[GMAX], la[GMAX], lc[GMAX];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    m[g] = STOCHATTN_NEG_INF;
+    la[g] = 0.f;
+    lc[g] = 0.f;
+  }
+  const long long start = (long long)chunk * chunk_len;
+  const long long end = min(start + chunk_len, L);
+  for (long long t = start + warp; t < end; t += kLogitWarps) {
+    float kf[PER];
+    load_elems<T, PER>(k + (pair * N + t) * D + lane * PER, kf);
+    unsigned covered = (1u << G) - 1u;
+    if (t >= sinks && t < ws) {
+      const int c = labels[pair * NL + t];
+      covered = (c >= 0 && c < C) ? ((1u << G) - 1u) & ~heads_with<GMAX>(codes_of(codes, pair, C, c), G, 0u) : 0u;
+    }
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+      if (g < G) {
+        float s = 0.f;
+#pragma unroll
+        for (int e = 0; e < PER; ++e) s = fmaf(qf[g][e], kf[e], s);
+        s = warp_sum(s);
+        const float mn = fmaxf(m[g], s);
+        const float corr = exp2f(m[g] - mn);
+        const float w = exp2f(s - mn);
+        la[g] = la[g] * corr + w;
+        lc[g] = lc[g] * corr + (((covered >> g) & 1u) ? w : 0.f);
+        m[g] = mn;
+      }
+    }
+  }
+  __shared__ float sm[kLogitWarps][GMAX][3];
+  if (lane == 0) {
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+      sm[warp][g][0] = m[g];
+      sm[warp][g][1] = la[g];
+      sm[warp][g][2] = lc[g];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < G) {
+    const int g = threadIdx.x;
+    float M = STOCHATTN_NEG_INF;
+    for (int w = 0; w < kLogitWarps; ++w) M = fmaxf(M, sm[w][g][0]);
+    float A = 0.f, Cv = 0.f;
+    if (M != STOCHATTN_NEG_INF) {
+      for (int w = 0; w < kLogitWarps; ++w) {
+        const float c = exp2f(sm[w][g][0] - M);
+        A = fmaf(sm[w][g][1], c, A);
+        Cv = fmaf(sm[w][g][2], c, Cv);
+      }
+    }
+    float* out = part + ((head0 + g) * chunks + chunk) * 3;
+    out[0] = M;
+    out[1] = A;
+    out[2] = Cv;
+  }
+}

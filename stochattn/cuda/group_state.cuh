@@ -1,0 +1,186 @@
+// The end of a split-KV streaming kernel that computes the G query heads of one GQA group
+// (exact_decode_chunk, doublep_attend): combine every thread's online-softmax state and
+// write the CTA's result, either the output rows (one chunk) or the normalised partial
+// output and its (max, sum) for a merge kernel (exact_decode_merge). The log2 domain of
+// the callers: weights are exp2(x - m).
+//
+// Thread layout (decode_common.cuh, Tiling<D>): a row group of D/8 lanes, lane lr owning
+// features [8 lr, 8 lr + 8); every lane of a row group holds the same m and l.
+#pragma once
+
+#include "decode_common.cuh"
+
+namespace stochattn {
+
+// One pipeline stage into the online softmax of the G heads: logits x[p * GMAX + g] of
+// this thread's RPT rows (rows rg + p * kRowGroups of the V stage `sv`), -inf for rows a
+// head must not see. One max shift per head per stage; until a head has seen a finite
+// logit its max stays -inf and the shift is taken as 0 so no inf - inf arises
+// (exp2(-inf) = 0 then). Overwrites x with the weights.
+template <typename T, int D, int GMAX>
+__device__ __forceinline__ void accumulate_stage(float (&x)[Tiling<D>::kRowsPerThread * GMAX],
+                                                 const unsigned char* __restrict__ sv, int rg,
+                                                 int lr, int G, float (&m)[GMAX],
+                                                 float (&l)[GMAX], float (&acc)[GMAX][8]) {
+  using Tl = Tiling<D>;
+  constexpr int RPT = Tl::kRowsPerThread;
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    if (g < G) {
+      float xm = STOCHATTN_NEG_INF;
+#pragma unroll
+      for (int p = 0; p < RPT; ++p) xm = fmaxf(xm, x[p * GMAX + g]);
+      const float mn = fmaxf(m[g], xm);
+      const float shift = mn == STOCHATTN_NEG_INF ? 0.f : mn;
+      // Max shift (flash attention): rescale the running sums to the new max.
+      const float corr = exp2f(m[g] - shift);
+      l[g] *= corr;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[g][e] *= corr;
+#pragma unroll
+      for (int p = 0; p < RPT; ++p) {
+        const float w = exp2f(x[p * GMAX + g] - shift);  // 0 for masked rows
+        x[p * GMAX + g] = w;
+        l[g] += w;
+      }
+      m[g] = mn;
+    }
+  }
+#pragma unroll
+  for (int p = 0; p < RPT; ++p) {
+    float vf[8];
+    unpack8<T>(*reinterpret_cast<const uint4*>(sv + (rg + p * Tl::kRowGroups) * (D * 2) + lr * 16),
+               vf);
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+      if (g < G) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(x[p * GMAX + g], vf[e], acc[g][e]);
+      }
+    }
+  }
+}
+
+// Warp states in shared memory (m, l: [kWarps][GMAX] floats each at `smem`, then
+// acc: [kWarps][GMAX][D] floats; warps that saw nothing hold m = -inf, l = 0, acc = 0)
+// -> the G heads' output rows (num_chunks == 1) or normalised partial and (max, sum) at
+// slot `chunk`. The caller has synchronised after filling the buffers.
+template <typename T, int D, int GMAX>
+__device__ __forceinline__ void combine_warps_and_write(const unsigned char* smem, int G,
+                                                        long long head0, T* __restrict__ out,
+                                                        float* __restrict__ part_o,
+                                                        float* __restrict__ part_ml,
+                                                        int num_chunks, int chunk) {
+  const int tid = threadIdx.x;
+  const float* sm_m = reinterpret_cast<const float*>(smem);
+  const float* sm_l = sm_m + kWarps * GMAX;
+  const float* sm_acc = sm_l + kWarps * GMAX;
+
+  for (int i = tid; i < G * D; i += kThreads) {
+    const int g = i / D, d = i % D;
+    float M = STOCHATTN_NEG_INF;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, sm_m[w * GMAX + g]);
+    float L = 0.f, o = 0.f;
+    if (M != STOCHATTN_NEG_INF) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float c = exp2f(sm_m[w * GMAX + g] - M);  // warps that saw nothing: 0
+        L = fmaf(sm_l[w * GMAX + g], c, L);
+        o = fmaf(sm_acc[(w * GMAX + g) * D + d], c, o);
+      }
+    }
+    const float res = L > 0.f ? o / L : 0.f;
+    const long long hrow = head0 + g;
+    if (num_chunks == 1) {
+      out[hrow * D + d] = Elem<T>::from_float(res);
+    } else {
+      part_o[(hrow * num_chunks + chunk) * D + d] = res;
+      if (d == 0) {
+        part_ml[(hrow * num_chunks + chunk) * 2 + 0] = M;
+        part_ml[(hrow * num_chunks + chunk) * 2 + 1] = L;
+      }
+    }
+  }
+}
+
+// A CTA that saw no row: zero output rows, or an empty partial (o = 0, m = -inf, l = 0).
+template <typename T, int D>
+__device__ __forceinline__ void write_empty_group(int G, long long head0, T* __restrict__ out,
+                                                  float* __restrict__ part_o,
+                                                  float* __restrict__ part_ml, int num_chunks,
+                                                  int chunk) {
+  for (int i = threadIdx.x; i < G * D; i += kThreads) {
+    const int g = i / D, d = i % D;
+    const long long hrow = head0 + g;
+    if (num_chunks == 1) {
+      out[hrow * D + d] = Elem<T>::from_float(0.f);
+    } else {
+      part_o[(hrow * num_chunks + chunk) * D + d] = 0.f;
+      if (d == 0) {
+        part_ml[(hrow * num_chunks + chunk) * 2 + 0] = STOCHATTN_NEG_INF;
+        part_ml[(hrow * num_chunks + chunk) * 2 + 1] = 0.f;
+      }
+    }
+  }
+}
+
+// Merge the per-thread states (m, l, acc) of the CTA and write the G heads' result:
+// row groups of a warp by shuffles, then warps through shared memory (`smem`, at least
+// (2 + D) * kWarps * GMAX floats; every thread must be done with it: the caller syncs
+// before). The order of the sums is fixed, so the result is deterministic.
+template <typename T, int D, int GMAX>
+__device__ __forceinline__ void finish_group_state(float (&m)[GMAX], float (&l)[GMAX],
+                                                   float (&acc)[GMAX][8], int G,
+                                                   unsigned char* smem, long long head0,
+                                                   T* __restrict__ out, float* __restrict__ part_o,
+                                                   float* __restrict__ part_ml, int num_chunks,
+                                                   int chunk) {
+  constexpr int LPR = Tiling<D>::kLanesPerRow;
+  const int tid = threadIdx.x;
+  const int lr = tid % LPR, warp = tid / 32, lane = tid % 32;
+
+  // Merge the row groups of a warp (partners share lr: offsets are multiples of LPR).
+#pragma unroll
+  for (int off = LPR; off < 32; off <<= 1) {
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+      if (g < G) {
+        const float mo = __shfl_xor_sync(0xffffffffu, m[g], off);
+        const float lo = __shfl_xor_sync(0xffffffffu, l[g], off);
+        float ao[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ao[e] = __shfl_xor_sync(0xffffffffu, acc[g][e], off);
+        const float mn = fmaxf(m[g], mo);
+        if (mn != STOCHATTN_NEG_INF) {
+          const float c1 = exp2f(m[g] - mn), c2 = exp2f(mo - mn);
+          l[g] = l[g] * c1 + lo * c2;
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[g][e] = acc[g][e] * c1 + ao[e] * c2;
+          m[g] = mn;
+        }
+      }
+    }
+  }
+
+  float* sm_m = reinterpret_cast<float*>(smem);   // [kWarps][GMAX]
+  float* sm_l = sm_m + kWarps * GMAX;             // [kWarps][GMAX]
+  float* sm_acc = sm_l + kWarps * GMAX;           // [kWarps][GMAX][D]
+  if (lane < LPR) {  // row group 0 of each warp now holds the warp's merged state
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+      if (g < G) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) sm_acc[(warp * GMAX + g) * D + lr * 8 + e] = acc[g][e];
+        if (lr == 0) {
+          sm_m[warp * GMAX + g] = m[g];
+          sm_l[warp * GMAX + g] = l[g];
+        }
+      }
+    }
+  }
+  __syncthreads();
+  combine_warps_and_write<T, D, GMAX>(smem, G, head0, out, part_o, part_ml, num_chunks, chunk);
+}
+
+}  // namespace stochattn
