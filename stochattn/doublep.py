@@ -395,10 +395,16 @@ def doublep_attention(q, k, v, seq_lens=None, *, index, p1=0.95, p2=0.7, approx=
         Key and value caches; query head h reads KV head ``h // (Hq // Hkv)``.
     seq_lens : integer ndarray, shape (B,), optional
         Must equal ``index.seq_lens`` (None means N for every sequence and must match too).
-        A sequence of length 0 yields a zero output row.
+        A sequence of length 0 yields a zero output row. On GPU arrays the kernels read the
+        index's lengths (on the device); ``seq_lens`` is compared with them only when
+        ``check_finite`` (which synchronises anyway).
     index : DoublePIndex
         Built from this cache by :func:`build_doublep_index`, kept current with
-        :meth:`DoublePIndex.append`.
+        :meth:`DoublePIndex.append`. GPU arrays (CuPy, torch CUDA; float16 or bfloat16,
+        head_dim 64 or 128, GQA group <= 8) need a GPU index and run the kernels of
+        :mod:`stochattn.cuda.doublep` (``approx="centroid"`` only, for now): selections
+        as the reference's except where a cumulative mass lies within float32 rounding
+        of p1 or p2.
     p1, p2 : float in (0, 1]
         Stage 1 and stage 2 thresholds (paper: 0.95/0.7 for Llama-3.1-8B, 0.99/0.8 for
         Qwen3-8B). ``p1 = p2 = 1`` gives exact attention.
@@ -494,6 +500,8 @@ def cluster_topk_attention(q, k, v, seq_lens=None, *, index, clusters, softmax_s
     seq_lens : integer ndarray, shape (B,), optional
         Must equal ``index.seq_lens`` (None means N and must match too).
     index : DoublePIndex
+        GPU arrays need a GPU index and run :mod:`stochattn.cuda.doublep` (lengths: the
+        index's, as in :func:`doublep_attention`).
     clusters : int
         Clusters kept per query head, >= 1.
     softmax_scale : float, optional

@@ -45,6 +45,7 @@ constexpr int kLogitWarps = kLogitThreads / 32;
 constexpr int kSelectThreads = 256;
 constexpr int kSelectWarps = kSelectThreads / 32;
 constexpr float kFixedOne = 1099511627776.0f;  // 2^40: fixed-point unit of the weights
+constexpr int kScanTokens = 8;  // tokens per thread and round of the attention's label scan
 
 __device__ __forceinline__ long long clamp_len(const long long* __restrict__ lens, int b,
                                                long long cap) {
@@ -423,23 +424,52 @@ __device__ __forceinline__ void attend_approx_clusters(
 #pragma unroll
     for (int e = 0; e < PER; ++e) acc[g][e] = 0.f;
   }
-  for (int c = c0 + warp; c < c1; c += kWarps) {
-    const unsigned amask = heads_with<GMAX>(codes_of(codes, pair, C, c), G, 1u);
-    if (!amask) continue;  // uniform over the warp
-    const float inv = 1.f / (float)sizes[pair * C + c];  // an approximated cluster is non-empty
-    float vf[PER];
-    load_floats<PER>(value_sums + (pair * C + c) * D + lane * PER, vf);
+  // A warp takes 32 clusters per round, lane i reading cluster i's codes, size and logits
+  // (independent loads); then the approximated ones are added two at a time, both value
+  // rows in flight together.
+  for (int base = c0 + warp * 32; base < c1; base += kWarps * 32) {
+    const int c = base + lane;
+    const unsigned amask = c < c1 ? heads_with<GMAX>(codes_of(codes, pair, C, c), G, 1u) : 0u;
+    float inv = 0.f, xl[GMAX];
 #pragma unroll
-    for (int g = 0; g < GMAX; ++g) {
-      if ((amask >> g) & 1u) {
-        const float xg = xb[(head0 + g) * C + c];
-        const float mn = fmaxf(m[g], xg);
-        const float corr = exp2f(m[g] - mn);  // 0 on the first cluster (m = -inf)
-        const float w = exp2f(xg - mn);
-        l[g] = l[g] * corr + w;
+    for (int g = 0; g < GMAX; ++g) xl[g] = STOCHATTN_NEG_INF;
+    if (amask) {
+      inv = 1.f / (float)sizes[pair * C + c];  // an approximated cluster is non-empty
 #pragma unroll
-        for (int e = 0; e < PER; ++e) acc[g][e] = acc[g][e] * corr + w * (vf[e] * inv);
-        m[g] = mn;
+      for (int g = 0; g < GMAX; ++g)
+        if ((amask >> g) & 1u) xl[g] = xb[(head0 + g) * C + c];
+    }
+    unsigned todo = __ballot_sync(0xffffffffu, amask != 0);
+    while (todo) {  // uniform over the warp
+      int src[2];
+      src[0] = __ffs(todo) - 1;
+      todo &= todo - 1;
+      src[1] = todo ? __ffs(todo) - 1 : -1;
+      if (todo) todo &= todo - 1;
+      float vf[2][PER];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (src[r] >= 0) {
+          load_floats<PER>(value_sums + (pair * C + base + src[r]) * D + lane * PER, vf[r]);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (src[r] < 0) break;
+        const float rinv = __shfl_sync(0xffffffffu, inv, src[r]);
+#pragma unroll
+        for (int g = 0; g < GMAX; ++g) {
+          const float xg = __shfl_sync(0xffffffffu, xl[g], src[r]);
+          if (g < G && xg != STOCHATTN_NEG_INF) {  // head g approximates this cluster
+            const float mn = fmaxf(m[g], xg);
+            const float corr = exp2f(m[g] - mn);  // 0 on the first cluster (m = -inf)
+            const float w = exp2f(xg - mn);
+            l[g] = l[g] * corr + w;
+#pragma unroll
+            for (int e = 0; e < PER; ++e) acc[g][e] = acc[g][e] * corr + w * (vf[r][e] * rinv);
+            m[g] = mn;
+          }
+        }
       }
     }
   }
@@ -515,31 +545,52 @@ doublep_attend(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
   const long long sinks = n_sink < L ? n_sink : L;
   const unsigned all = (1u << G) - 1u;
   const int* lab = labels + pair * NL;
+  // Each thread takes kScanTokens consecutive tokens per round, with all their label and
+  // code loads issued before any is used (the scan is latency-bound otherwise); a warp
+  // scan of the per-thread counts keeps the list in position order.
   int count = 0;
-  for (long long base = start; base < end; base += kThreads) {
-    const long long t = base + tid;
-    unsigned mask = 0;
-    if (t < end) {
-      if (t < sinks || t >= ws) {
-        mask = all;
-      } else {
-        const int c = lab[t];
-        if (c >= 0 && c < C) mask = heads_with<GMAX>(codes_of(codes, pair, C, c), G, 2u);
-      }
+  for (long long base = start; base < end; base += kThreads * kScanTokens) {
+    const long long t0 = base + (long long)tid * kScanTokens;
+    int c[kScanTokens];
+#pragma unroll
+    for (int j = 0; j < kScanTokens; ++j) {
+      const long long t = t0 + j;
+      c[j] = (t < end && t >= sinks && t < ws) ? lab[t] : -1;
     }
-    const unsigned ballot = __ballot_sync(0xffffffffu, mask != 0);
-    if (lane == 0) warp_counts[warp] = __popc(ballot);
+    unsigned long long word[kScanTokens];
+#pragma unroll
+    for (int j = 0; j < kScanTokens; ++j)
+      word[j] = (c[j] >= 0 && c[j] < C) ? codes_of(codes, pair, C, c[j]) : 0ull;
+    unsigned char masks[kScanTokens];
+    int mine = 0;
+#pragma unroll
+    for (int j = 0; j < kScanTokens; ++j) {
+      const long long t = t0 + j;
+      const unsigned m = t >= end ? 0u : ((t < sinks || t >= ws) ? all : heads_with<GMAX>(word[j], G, 2u));
+      masks[j] = (unsigned char)m;
+      mine += m != 0;
+    }
+    int incl = mine;  // inclusive warp scan of the per-thread counts
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, off);
+      if (lane >= off) incl += y;
+    }
+    if (lane == 31) warp_counts[warp] = incl;
     __syncthreads();
-    int before = count, added = 0;
+    int at = count + incl - mine, added = 0;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      before += w < warp ? warp_counts[w] : 0;
+      at += w < warp ? warp_counts[w] : 0;
       added += warp_counts[w];
     }
-    if (mask) {
-      const int at = before + __popc(ballot & ((1u << lane) - 1u));
-      list[at] = (int)t;
-      hmask[at] = (unsigned char)mask;
+#pragma unroll
+    for (int j = 0; j < kScanTokens; ++j) {
+      if (masks[j]) {
+        list[at] = (int)(t0 + j);
+        hmask[at] = masks[j];
+        ++at;
+      }
     }
     count += added;
     __syncthreads();  // warp_counts is rewritten next round; the list is read below
