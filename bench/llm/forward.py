@@ -1,8 +1,11 @@
 """A plain Llama forward pass (prefill) in any NumPy-like array namespace.
 
-Every function takes ``xp`` (``numpy`` by default, ``cupy`` on the GPU) and only uses what
-both provide: ``matmul``, ``exp``, ``log``, ``sqrt``, ``max``, ``sum``, ``take_along_axis``,
-slicing. Activations are float32; softmax and log-softmax are max-shifted.
+Every function takes ``xp`` (``numpy`` by default, ``cupy`` on the GPU, with the weights
+moved there by ``weights.to(cupy)``) and only uses what both provide: ``matmul``, ``exp``,
+``log``, ``sqrt``, ``max``, ``sum``, ``take_along_axis``, slicing. Activations are float32
+in both (CuPy's float32 matmuls are plain fp32, no TF32 unless ``CUPY_TF32=1``); softmax and
+log-softmax are max-shifted. ``tests/gpu/test_llm_harness_gpu.py`` checks that the CuPy
+losses equal the NumPy ones.
 
 Shapes: T tokens; x (T, hidden); q (T, Hq, D); k, v (T, Hkv, D); one sequence, no batch.
 The per-layer cache of the exact pass, ``ForwardResult.k[l]`` / ``.v[l]`` (T, Hkv, D),
