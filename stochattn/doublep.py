@@ -251,7 +251,7 @@ def _gpu_index():
 
 
 def build_doublep_index(k, v, seq_lens=None, *, n_clusters, iterations=10, n_sink=4, window=64,
-                        seed=0, check_finite=False) -> DoublePIndex:
+                        seed=0, tol=_km.DEFAULT_TOL, check_finite=False) -> DoublePIndex:
     """Prefill: k-means index of the middle tokens of every (sequence, KV head).
 
     Parameters
@@ -269,8 +269,8 @@ def build_doublep_index(k, v, seq_lens=None, *, n_clusters, iterations=10, n_sin
         Clusters per (sequence, KV head), C, ``1 <= C <= N``. Sequences with fewer middle
         tokens M than C leave ``C - M`` clusters empty.
     iterations : int
-        Lloyd iterations (>= 0) after the seeded initialisation; a final assignment with
-        the final centroids always follows.
+        Lloyd iterations (>= 0) after the seeded initialisation, at most; a final
+        assignment with the final centroids always follows.
     n_sink, window : int
         Tokens kept exact at the start and at the end of each sequence (>= 0). The middle
         tokens are ``[n_sink, max(n_sink, L - window))``; a sequence with
@@ -278,6 +278,10 @@ def build_doublep_index(k, v, seq_lens=None, *, n_clusters, iterations=10, n_sin
     seed : int
         Seed of the initialisation (a random subset of middle tokens, drawn by the
         counter-based generator: see :mod:`stochattn.reference.kmeans`).
+    tol : float in [0, 1]
+        Early stop, per (sequence, KV head): the centroids stop moving after a round in
+        which at most ``floor(tol * M)`` of the M middle tokens changed cluster (default
+        0.05; 0: only at a fixed point). See :mod:`stochattn.reference.kmeans`.
     check_finite : bool
         Check that k and v hold no NaN or inf (reads the data; off by default; on the GPU
         a synchronisation).
@@ -305,7 +309,7 @@ def build_doublep_index(k, v, seq_lens=None, *, n_clusters, iterations=10, n_sin
     if backend_of(k=k, v=v) == "cuda":
         return DoublePIndex(**_gpu_index().build_index_gpu(
             k, v, seq_lens, n_clusters=n_clusters, iterations=iterations, n_sink=n_sink,
-            window=window, seed=seed, check_finite=check_finite))
+            window=window, seed=seed, tol=tol, check_finite=check_finite))
     backend_of(k=k, v=v, seq_lens=seq_lens)  # host seq_lens only, for the reference
     B, Hkv, N, D = val.check_kv_inputs(k, v, seq_lens)
     n_clusters, iterations, n_sink, window, seed = val.check_index_options(
@@ -313,7 +317,7 @@ def build_doublep_index(k, v, seq_lens=None, *, n_clusters, iterations=10, n_sin
     if check_finite:
         val.check_finite(k=k, v=v)
     lens = lengths(seq_lens, B, N)
-    arrays = _km.build_index(k, v, lens, n_clusters, iterations, n_sink, window, seed)
+    arrays = _km.build_index(k, v, lens, n_clusters, iterations, n_sink, window, seed, tol)
     return DoublePIndex(seq_lens=lens.copy(), n_sink=n_sink, window=window, n_clusters=n_clusters,
                         **arrays)
 

@@ -10,10 +10,15 @@ Every property is exact; none is statistical:
 - each label is the nearest live centroid of the *returned* centroids up to a proven bound
   on float32 rounding (the reference decides in float64);
 - one more iteration is exactly one float32 Lloyd update of the previous result
-  (sequential float32 sums in position order, IEEE division; empty clusters stay);
-- on fixed data (odd sizes included) the whole index equals the reference's (labels and
-  sizes exactly, float statistics to float32 rounding): fixed inputs, so these either
-  always pass or always fail.
+  (sequential float32 sums in position order, IEEE division; empty clusters stay), or,
+  with an early-stop tolerance, either that or the previous result;
+- on fixed data (odd sizes included, several early-stop tolerances) the whole index
+  equals the reference's (labels and sizes exactly, float statistics to float32
+  rounding): fixed inputs, so these either always pass or always fail;
+- the GEMM path (``method="gemm"``: float16 GEMM preselection plus exact float32 checks;
+  under the simulator a NumPy emulation of the GEMM) gives the index of the plain float32
+  scan (``method="scan"``) bit for bit, ties, non-finite keys, extreme scales, score
+  chunks and multi-thread blocks included.
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ pytest.importorskip("numba.cuda")
 
 from numba import cuda  # noqa: E402
 
+from stochattn.cuda import _kmeans_kernels as kk  # noqa: E402
 from stochattn.cuda import kmeans as km  # noqa: E402
 from stochattn.cuda.kmeans import kmeans_gpu  # noqa: E402
-from stochattn.reference.kmeans import build_index, window_starts  # noqa: E402
+from stochattn.reference.kmeans import DEFAULT_TOL, build_index, window_starts  # noqa: E402
 from stochattn.reference.rng import PURPOSE_KMEANS_INIT, random_words  # noqa: E402
 
 U32 = 2.0**-24  # unit roundoff of float32
@@ -180,7 +186,7 @@ def test_seeding_equals_reference_bit_for_bit():
 def _run_both(k, v, lens, **kw):
     out = kmeans_gpu(k, v, lens, **kw)
     ref = build_index(k, v, lens, kw["n_clusters"], kw["iterations"], kw["n_sink"], kw["window"],
-                      kw["seed"])
+                      kw["seed"], kw.get("tol", DEFAULT_TOL))
     check_structure(out, k, v, np.asarray(lens, dtype=np.int64), n_clusters=kw["n_clusters"],
                     n_sink=kw["n_sink"], window=kw["window"])
     check_nearest(out, k)
@@ -267,7 +273,8 @@ def problems(draw):
     lens = np.array([draw(st.integers(0, N)) for _ in range(B)])
     kw = dict(n_clusters=draw(st.integers(1, min(8, N))), iterations=draw(st.integers(0, 3)),
               n_sink=draw(st.integers(0, 4)), window=draw(st.integers(0, 12)),
-              seed=draw(st.integers(0, 2**64 - 1)))
+              seed=draw(st.integers(0, 2**64 - 1)), tol=draw(st.sampled_from((0.0, 0.05, 0.3))),
+              method=draw(st.sampled_from(("scan", "gemm"))))
     return k, v, lens, kw
 
 
@@ -276,7 +283,9 @@ def problems(draw):
 def test_random_problems_exact_properties(problem):
     """Structure and nearest-centroid (float32 bound) for the result; with iterations = 0
     the centroids equal the reference seeding bit for bit; with iterations = t >= 1 the
-    centroids are exactly one float32 Lloyd update of the t - 1 result."""
+    centroids are exactly one float32 Lloyd update of the t - 1 result (tol = 0), or
+    either that update or the t - 1 centroids themselves (tol > 0: the problem may have
+    stopped)."""
     k, v, lens, kw = problem
     out = kmeans_gpu(k, v, lens, **kw)
     check_structure(out, k, v, lens, n_clusters=kw["n_clusters"], n_sink=kw["n_sink"],
@@ -286,9 +295,120 @@ def test_random_problems_exact_properties(problem):
     if t == 0:
         ref = build_index(k, v, lens, kw["n_clusters"], 0, kw["n_sink"], kw["window"], kw["seed"])
         np.testing.assert_array_equal(out["centroids"], ref["centroids"].astype(np.float32))
+        return
+    prev = kmeans_gpu(k, v, lens, **{**kw, "iterations": t - 1})
+    update = lloyd_update32(prev, k)
+    if kw["tol"] == 0.0:
+        np.testing.assert_array_equal(out["centroids"], update)
     else:
-        prev = kmeans_gpu(k, v, lens, **{**kw, "iterations": t - 1})
-        np.testing.assert_array_equal(out["centroids"], lloyd_update32(prev, k))
+        for b in range(k.shape[0]):  # per (sequence, KV head): moved once more, or stopped
+            for h in range(k.shape[1]):
+                got = out["centroids"][b, h]
+                assert (np.array_equal(got, update[b, h])
+                        or np.array_equal(got, prev["centroids"][b, h])), (b, h)
+
+
+# ---- early stop ------------------------------------------------------------------------------
+
+
+def _mixture(shape, n_centres, seed, dtype=np.float32):
+    """Keys around a few random centres (unit noise): Lloyd needs several rounds."""
+    rng = np.random.default_rng(seed)
+    B, Hkv, N, D = shape
+    centres = 3.0 * rng.standard_normal((B, Hkv, n_centres, D))
+    which = rng.integers(0, n_centres, size=(B, Hkv, N))
+    k = np.take_along_axis(centres, which[..., None], axis=2) + rng.standard_normal(shape)
+    return k.astype(dtype), rng.standard_normal(shape).astype(dtype)
+
+
+@pytest.mark.parametrize("tol", [0.0, 0.1, 0.3, 1.0])
+def test_early_stop_equals_reference(tol):
+    """Per (sequence, KV head) stop after the first round that changed at most
+    floor(tol * M) labels: the GPU index equals the reference's with the same tol (fixed
+    inputs without float32 near-ties); tol = 1 is exactly one update of the seeding."""
+    k, v = _mixture((2, 2, 120, 8), 5, seed=31)
+    lens = np.array([120, 77])
+    out, ref = _run_both(k, v, lens, n_clusters=7, iterations=6, n_sink=2, window=6, seed=4,
+                         tol=tol)
+    check_against_reference(out, ref)
+    if tol == 1.0:
+        init = kmeans_gpu(k, v, lens, n_clusters=7, iterations=0, n_sink=2, window=6, seed=4)
+        np.testing.assert_array_equal(out["centroids"], lloyd_update32(init, k))
+
+
+def test_early_stop_ends_the_rounds():
+    """Once every problem has stopped, more iterations change nothing (the host stops
+    launching rounds one round late and reuses the assignment already made); the stop
+    happens well before the cap here, and tol = 0 goes further."""
+    k, v = _mixture((1, 2, 150, 8), 6, seed=32)
+    kw = dict(n_clusters=8, n_sink=0, window=0, seed=5, tol=0.2)
+    runs = [kmeans_gpu(k, v, None, iterations=t, **kw) for t in range(7)]
+    same = [all(np.array_equal(r[n], runs[-1][n]) for n in FIELDS) for r in runs]
+    first = same.index(True)
+    assert 1 <= first <= 4 and all(same[first:]), same
+    exact = kmeans_gpu(k, v, None, iterations=6, **dict(kw, tol=0.0))
+    assert not np.array_equal(exact["centroids"], runs[-1]["centroids"])
+
+
+# ---- the GEMM path gives the scan's labels ---------------------------------------------------
+
+
+def _gemm_case(name):
+    rng = np.random.default_rng(len(name))
+    if name == "non-finite keys":
+        k = rng.standard_normal((1, 2, 30, 8)).astype(np.float32)
+        k[0, 0, 7, 3] = np.inf
+        k[0, 1, 9, 0] = np.nan
+        k[0, 1, 12:14] = np.nan
+        return k, k, np.array([30]), dict(n_clusters=4, iterations=2, n_sink=1, window=2)
+    if name == "huge keys":  # |k|^2 overflows float32 for one token
+        k = rng.standard_normal((1, 1, 30, 8)).astype(np.float32)
+        k[0, 0, 3] = 1e20
+        return k, k, np.array([30]), dict(n_clusters=4, iterations=2, n_sink=1, window=2)
+    k, v = _mixture((2, 2, 48, 8), 4, seed=len(name), dtype=np.float16)
+    lens = np.array([48, 15])
+    kw = dict(n_clusters=6, iterations=3, n_sink=3, window=5)
+    if name == "exact duplicates":
+        k[:, :, 24:] = k[:, :, :24]
+    elif name == "large common offset":  # the power-of-two scale shrinks the keys
+        k = (k.astype(np.float32) * 30.0 + 2000.0).astype(np.float16)
+    elif name == "tiny keys":  # the scale lifts them out of float16 subnormals
+        k, v = k.astype(np.float32) * np.float32(1e-6), v.astype(np.float32)
+    return k, v, lens, kw
+
+
+GEMM_CASES = ["mixture, one short sequence", "exact duplicates", "large common offset",
+              "tiny keys", "non-finite keys", "huge keys"]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("name", GEMM_CASES)
+def test_gemm_path_gives_the_scan_index(name):
+    k, v, lens, kw = _gemm_case(name)
+    for tol in (0.0, 0.1):
+        scan = kmeans_gpu(k, v, lens, method="scan", tol=tol, seed=9, **kw)
+        gemm = kmeans_gpu(k, v, lens, method="gemm", tol=tol, seed=9, **kw)
+        for field in FIELDS:
+            np.testing.assert_array_equal(gemm[field], scan[field], err_msg=f"{field}, tol {tol}")
+
+
+def test_gemm_path_in_chunks_with_multithread_blocks(monkeypatch):
+    """Score chunks of 5 rows (several GEMMs per round) and, under the simulator, blocks of
+    several threads for the reductions, scans and per-cluster loops (one thread per block
+    elsewhere in these tests, for speed): the same index as the scan."""
+    k, v = _mixture((1, 2, 40, 16), 4, seed=33)
+    lens = np.array([40])
+    kw = dict(n_clusters=5, iterations=2, n_sink=2, window=3, seed=8, tol=0.0)
+    scan = kmeans_gpu(k, v, lens, method="scan", **kw)
+    monkeypatch.setattr(km, "GEMM_SCRATCH_BYTES", 5 * 2 * 2 * 5)  # 5 rows of H = 2, C = 5
+    if km._SIM:
+        monkeypatch.setattr(kk, "LANES", 4)
+        monkeypatch.setattr(kk, "SCAN_TPB", 4)
+        monkeypatch.setattr(kk, "DIM_TPB", 4)
+        monkeypatch.setattr(kk, "ROWS_PER_BLOCK", 3)
+    gemm = kmeans_gpu(k, v, lens, method="gemm", **kw)
+    for field in FIELDS:
+        np.testing.assert_array_equal(gemm[field], scan[field], err_msg=field)
 
 
 # ---- errors --------------------------------------------------------------------------------
@@ -314,3 +434,11 @@ def test_errors():
         kmeans_gpu(k, k, np.array([11]), n_clusters=2)
     with pytest.raises(TypeError, match="`k` must be a NumPy array, a CuPy array or a CUDA tensor"):
         kmeans_gpu(k.tolist(), k, n_clusters=2)
+    with pytest.raises(ValueError, match=r"`tol` must lie in \[0, 1\], got 1.5"):
+        kmeans_gpu(k, k, n_clusters=2, tol=1.5)
+    with pytest.raises(ValueError, match=r"`tol` must lie in \[0, 1\], got nan"):
+        kmeans_gpu(k, k, n_clusters=2, tol=float("nan"))
+    with pytest.raises(TypeError, match="`tol` must be a real number, got str"):
+        kmeans_gpu(k, k, n_clusters=2, tol="0.1")
+    with pytest.raises(ValueError, match="`method` must be one of 'auto', 'gemm', 'scan', got 'fast'"):
+        kmeans_gpu(k, k, n_clusters=2, method="fast")

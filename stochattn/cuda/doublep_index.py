@@ -41,8 +41,9 @@ arrays):
   without relying on a stable sort.
 - **Value means, stack.** Array operations of the framework.
 
-Host synchronisations: none on these paths, except ``check_finite=True`` (reads k, v and
-GPU ``seq_lens``) and ``repr`` (prints the lengths). One caveat at build time:
+Host synchronisations: at build time, one event wait per k-means round (the early stop:
+see :mod:`stochattn.cuda.kmeans`); otherwise none on these paths, except
+``check_finite=True`` (reads k, v and GPU ``seq_lens``) and ``repr`` (prints the lengths). One caveat at build time:
 ``kmeans_gpu`` takes its scratch buffers from Numba's allocator (``cuMemAlloc``, freed
 later by ``cuMemFree``), which is not stream-ordered and may serialise with the device; the
 append allocates only through the framework. Host ``seq_lens`` (NumPy, list, CPU tensor)
@@ -355,7 +356,7 @@ def _kmeans_module():
 
 
 def build_index_gpu(k, v, seq_lens=None, *, n_clusters, iterations=10, n_sink=4, window=64,
-                    seed=0, check_finite=False) -> dict:
+                    seed=0, tol=None, check_finite=False) -> dict:
     """Prefill on the GPU: the fields of a :class:`~stochattn.doublep.DoublePIndex`.
 
     The arguments, their checks and the error messages are those of
@@ -370,8 +371,8 @@ def build_index_gpu(k, v, seq_lens=None, *, n_clusters, iterations=10, n_sink=4,
         simulator) and give NumPy fields.
     seq_lens : integer array, shape (B,), optional
         Host (checked) or GPU (clamped to [0, N]; checked when ``check_finite``).
-    n_clusters, iterations, n_sink, window, seed, check_finite
-        As :func:`stochattn.build_doublep_index`.
+    n_clusters, iterations, n_sink, window, seed, tol, check_finite
+        As :func:`stochattn.build_doublep_index` (``tol=None``: k-means' default).
 
     Returns
     -------
@@ -390,8 +391,9 @@ def build_index_gpu(k, v, seq_lens=None, *, n_clusters, iterations=10, n_sink=4,
         lens = _device_lens(api, seq_lens, k, B, N, check=check_finite)
         if api is CUPY_API and api.dtype_name(k) == "bfloat16":
             k, v = api.widen_bf16(k), api.widen_bf16(v)  # Numba has no bfloat16 arrays
+        extra = {} if tol is None else dict(tol=tol)
         arrays = kmeans.kmeans_gpu(k, v, lens, n_clusters=n_clusters, iterations=iterations,
-                                   n_sink=n_sink, window=window, seed=seed)
+                                   n_sink=n_sink, window=window, seed=seed, **extra)
     return dict(arrays, seq_lens=lens, n_sink=n_sink, window=window, n_clusters=n_clusters)
 
 

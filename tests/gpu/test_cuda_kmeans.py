@@ -4,8 +4,11 @@ size, against the float64 NumPy reference.
 Exact assertions (see tests/test_kmeans_cuda.py for the checks): the seeding equals the
 reference bit for bit; structure (labels, sizes, value sums, live clusters); every label is
 the nearest centroid of the returned centroids up to a proven float32 rounding bound; the
-last iteration is exactly one float32 Lloyd update of the previous result; two runs, and a
-run on another stream, are identical.
+last iteration is exactly one float32 Lloyd update of the previous result (tol = 0); two
+runs, and a run on another stream, are identical; the default cuBLAS path
+(``method="gemm"``: float16 GEMM preselection, exact float32 checks) gives the index of the
+float32 scan (``method="scan"``) bit for bit, on LLM-like keys at 16k tokens, in one score
+chunk or several.
 
 Reported, with loose sanity bounds only: how often the labels differ from the float64
 argmin on the same centroids, and how far the whole float32 run drifts from the float64
@@ -22,6 +25,7 @@ import pytest
 cupy = pytest.importorskip("cupy")
 pytest.importorskip("numba.cuda")
 
+from stochattn.cuda import kmeans as km  # noqa: E402
 from stochattn.cuda.kmeans import kmeans_gpu  # noqa: E402
 from stochattn.reference.kmeans import build_index  # noqa: E402
 
@@ -36,7 +40,7 @@ pytestmark = pytest.mark.gpu
 B, HKV, N, D, C, ITERS = 2, 2, 4096, 128, 64, 5
 N_SINK, WINDOW, SEED = 4, 64, 2**33 + 17
 LENS = np.array([4096, 3001])
-KW = dict(n_clusters=C, n_sink=N_SINK, window=WINDOW, seed=SEED)
+KW = dict(n_clusters=C, n_sink=N_SINK, window=WINDOW, seed=SEED, tol=0.0)
 
 
 def _inputs(seed=0):
@@ -96,8 +100,13 @@ def test_realistic_size_cupy():
         np.testing.assert_array_equal(again[name], got[name], err_msg=name)
         np.testing.assert_array_equal(other[name], got[name], err_msg=name)
 
+    # The float32 scan gives the same index, bit for bit.
+    scan = _host(kmeans_gpu(kd, vd, lens_d, iterations=ITERS, method="scan", **KW))
+    for name in got:
+        np.testing.assert_array_equal(scan[name], got[name], err_msg=name)
+
     # Whole run against the float64 reference: reported, loosely bounded.
-    ref = build_index(k, v, LENS, C, ITERS, N_SINK, WINDOW, SEED)
+    ref = build_index(k, v, LENS, C, ITERS, N_SINK, WINDOW, SEED, 0.0)
     middle = ref["labels"] >= 0
     agree = float(np.mean(got["labels"][middle] == ref["labels"][middle]))
     ratio = _inertia(k, got["labels"], got["centroids"]) / _inertia(k, ref["labels"], ref["centroids"])
@@ -137,3 +146,31 @@ def test_torch_tensors(dtype):
     init = kmeans_gpu(kt, vt, lens, iterations=0, **KW)
     ref0 = build_index(k64, v64, np.array([1024, 500]), C, 0, N_SINK, WINDOW, SEED)
     np.testing.assert_array_equal(init["centroids"].cpu().numpy(), ref0["centroids"].astype(np.float32))
+    scan = kmeans_gpu(kt, vt, lens, iterations=3, method="scan", **KW)
+    for name in got:
+        np.testing.assert_array_equal(scan[name].cpu().numpy(), got[name], err_msg=name)
+
+
+def test_gemm_path_equals_scan_on_llm_like_keys(monkeypatch):
+    """Keys with LLM-like statistics (bench/calibrated.py: topic runs, power-law age
+    features, sinks), 2 KV heads of 16k tokens, 512 clusters, the default early stop: the
+    cuBLAS path gives the scan's index bit for bit, in one score chunk and in three; the
+    default tol stays within a few percent of tol = 0's mean squared distance (reported)."""
+    calibrated = pytest.importorskip("bench.calibrated")
+    _, k, v = calibrated.make_calibrated_inputs(1, 8, 2, 16384, 128, seed=0, dtype=np.float16)
+    kd, vd = cupy.asarray(k), cupy.asarray(v)
+    kw = dict(n_clusters=512, iterations=10, n_sink=4, window=64, seed=1)
+    gemm = _host(kmeans_gpu(kd, vd, method="gemm", **kw))
+    scan = _host(kmeans_gpu(kd, vd, method="scan", **kw))
+    for name in gemm:
+        np.testing.assert_array_equal(gemm[name], scan[name], err_msg=name)
+    check_structure(gemm, k, v, np.array([16384]), n_clusters=512, n_sink=4, window=64)
+    check_nearest(gemm, k)
+    monkeypatch.setattr(km, "GEMM_SCRATCH_BYTES", 2 * 2 * 512 * 6000)  # 6000-row chunks
+    chunked = _host(kmeans_gpu(kd, vd, method="gemm", **kw))
+    for name in gemm:
+        np.testing.assert_array_equal(chunked[name], gemm[name], err_msg=name)
+    full = _host(kmeans_gpu(kd, vd, method="gemm", **dict(kw, tol=0.0)))
+    ratio = _inertia(k, gemm["labels"], gemm["centroids"]) / _inertia(k, full["labels"], full["centroids"])
+    print(f"\nmean squared distance, default tol / tol 0 (10 rounds): {ratio:.4f}")
+    assert 1.0 - 1e-3 <= ratio <= 1.05
