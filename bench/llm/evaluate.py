@@ -31,7 +31,7 @@ estimator call gets float16 CuPy arrays (q, K, V rounded to float16, the dtype o
 kernels; ``seq_lens`` int32 on the GPU) and its float16 output is widened back to float32;
 by default every evaluated position of a layer is one call (``--cache-mb``, default 4096
 MiB of float16 K, bounds it). Where the library has no GPU path and raises
-``NotImplementedError`` (Double-P's decode for now, the selection baselines), the calls
+``NotImplementedError`` (Double-P's sampled variant, the selection baselines), the calls
 fall back to the NumPy reference on the same float16 values (:class:`HostFallback`);
 ``EvalResult.estimator_backend`` says which ran, and the GPU is tried again at every
 :func:`evaluate`, so an estimator moves to the GPU by itself once its kernel exists.
@@ -334,8 +334,8 @@ class HostFallback:
     """An estimator on GPU (CuPy) arrays, with the NumPy reference as the fallback.
 
     The first call passes the GPU arrays to the estimator, so that the library dispatches
-    to its CUDA kernels. If it raises ``NotImplementedError`` (Double-P's decode while its
-    kernel is being written, the selection baselines, SANTA's ``"global"`` schedule), this
+    to its CUDA kernels. If it raises ``NotImplementedError`` (Double-P's sampled variant,
+    the selection baselines, SANTA's ``"global"`` schedule), this
     call and every later one copy q, k, v and ``seq_lens`` to the host and run the NumPy
     reference, and the output comes back to the GPU. ``backend`` then says which ran
     (``"cuda"`` or ``"numpy-fallback"``; None before the first call) and ``note`` holds
