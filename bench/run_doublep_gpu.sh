@@ -19,5 +19,7 @@ if [ -z "${SKIP_BENCH:-}" ]; then
       --iterations 1 2>&1 | grep -E "doublep_|exact_decode_merge|Duration|DRAM Through|host time"
   echo "== benchmark =="
   python3 bench/bench_doublep.py ${CASES:+--cases $CASES} || status=1
+  # On the device tool's machine, bring the results back.
+  [ -n "${OUT:-}" ] && cp bench/results/bench_doublep.json "$OUT/" 2>/dev/null
 fi
 exit $status
