@@ -216,7 +216,8 @@ def name_expressions(family: str, dtypes=None) -> list:
     if family == "santa_prop":
         names.append("santa_prop_tiles")  # not a template: one kernel for every dtype
     if family == "doublep_decode":
-        names.append("doublep_select")
+        names += ["doublep_select", "doublep_select_sorted"]
+        names += [f"doublep_rows<{gm}>" for gm in GROUP_MAXES]
     return names
 
 

@@ -28,13 +28,19 @@ from . import _inputs, _module, _sources
 from ._arrays import ops_for
 from ._sources import group_max
 
-__all__ = ["doublep_decode", "MAX_CHUNK_TOKENS"]
+__all__ = ["doublep_decode", "SORT_SELECT_MAX_CLUSTERS"]
 
-MAX_CHUNK_TOKENS = 4096  # token-chunk length cap: the row list lives in shared memory
+#: Largest cluster count whose selection sorts the keys in shared memory (8 bytes each);
+#: above it the radix select runs. Read when a plan is made (tests set it to 0 to compare).
+SORT_SELECT_MAX_CLUSTERS = 8192
 _LOGIT_THREADS = 256  # doublep_decode.cu: kLogitThreads
 _SELECT_THREADS = 256  # doublep_decode.cu: kSelectThreads
+_SORT_THREADS = 512  # doublep_decode.cu: kSortThreads
+_ROW_THREADS = 256  # doublep_decode.cu: kRowThreads
+_SLICE_TOKENS = 2048  # doublep_decode.cu: kSliceTokens
+_LIST_CAP = 1024  # doublep_decode.cu: kListCap
 _CLUSTERS_PER_LOGIT_CTA = 128
-_CLUSTERS_PER_ATTEND_CTA = 256
+_CLUSTERS_PER_ATTEND_CTA = 1024
 _INDEX_FIELDS = (("centroids", "float32", 4), ("sizes", "int64", 3), ("value_sums", "float32", 4),
                  ("labels", "int32", 3), ("seq_lens", "int64", 1), ("window_start", "int64", 1))
 
@@ -74,7 +80,7 @@ def doublep_decode(q, k, v, index, *, p1=1.0, p2=1.0, clusters=None, softmax_sca
     config = _sources.get_config()
     centroid = clusters is None
     key = ("doublep", inp.key, ix.key, centroid, type(softmax_scale), softmax_scale,
-           type(num_chunks), num_chunks, config)
+           type(num_chunks), num_chunks, config, SORT_SELECT_MAX_CLUSTERS)
     plan = _inputs.cached_plan(
         key, lambda: _DoublePPlan(inp, ix, centroid, softmax_scale, num_chunks, config))
     return plan.run(inp, ix, int(index.n_sink), float(p1), float(p2),
@@ -139,53 +145,68 @@ class _DoublePPlan:
         stage = config.smem_bytes("doublep_decode", D, gm)
         self.threads = config.threads
         fam = "doublep_decode"
+        cap = min(s.tokens, NL)
+        pairs = s.batch * s.kv_heads
         with _inputs.device_scope(self.device):
             self.logits = _module.launcher(fam, f"doublep_cluster_logits<{ctype}, {D}, {gm}>", 0,
                                            config)
-            self.select = _module.launcher(fam, "doublep_select", 0, config)
-            name = f"doublep_attend<{ctype}, {D}, {gm}>"
-            smem_max = stage + _align(MAX_CHUNK_TOKENS * 5, 16)
-            if num_chunks is None:
-                slots = _module.num_sms() * _module.ctas_per_sm(fam, name, config.threads, smem_max,
-                                                                config)
-                chunks, chunk_len = _module.choose_chunks(s.batch * s.kv_heads, s.tokens, 256, slots,
-                                                          min_chunk=1024)
+            self.sorted = C <= SORT_SELECT_MAX_CLUSTERS
+            if self.sorted:
+                self.sort_p = max(2 * _SORT_THREADS, 1 << (C - 1).bit_length())
+                self.select = _module.launcher(fam, "doublep_select_sorted", 8 * self.sort_p,
+                                               config)
+                self.select_threads = _SORT_THREADS
             else:
-                chunk_len = math.ceil(s.tokens / num_chunks)
-            chunk_len = max(32, min(MAX_CHUNK_TOKENS, math.ceil(chunk_len / 32) * 32))
-            tok_chunks = max(1, math.ceil(s.tokens / chunk_len))
+                self.select = _module.launcher(fam, "doublep_select", 0, config)
+                self.select_threads = _SELECT_THREADS
+            self.rows = _module.launcher(fam, f"doublep_rows<{gm}>", 0, config)
+            name = f"doublep_attend<{ctype}, {D}, {gm}>"
+            smem = stage + _align(_LIST_CAP * 5, 16)
+            self.attend = _module.launcher(fam, name, smem, config)
+            if num_chunks is None:
+                # One wave of token CTAs (each takes an equal share of its row list, so the
+                # work per CTA does not depend on where the exact tokens lie), at least 128
+                # tokens of the cache per CTA.
+                slots = _module.num_sms() * _module.ctas_per_sm(fam, name, config.threads, smem,
+                                                                config)
+                tok_chunks = max(1, min(math.ceil(cap / 128), math.ceil(slots / pairs)))
+            else:
+                tok_chunks = num_chunks
             self.list_off = stage
-            # Always the largest list: the opt-in above 48 KB is an attribute of the kernel,
-            # shared by every plan, so all plans launch with one size.
-            self.attend = _module.launcher(fam, name, smem_max, config)
             cl_chunks = math.ceil(C / _CLUSTERS_PER_ATTEND_CTA) if centroid else 0
             total = tok_chunks + cl_chunks
             self.merge = (_module.launcher(fam, f"exact_decode_merge<{ctype}>", 0, config)
                           if total > 1 else None)
             self.true_mass = _module.launcher(fam, f"doublep_true_mass<{ctype}, {D}, {gm}>", 0,
                                               config)
-        self.tok_chunks, self.chunk_len, self.total = tok_chunks, chunk_len, total
+        self.tok_chunks, self.total = tok_chunks, total
+        self.slices = max(1, math.ceil(cap / _SLICE_TOKENS))
         rows = s.batch * s.q_heads
         self.grid_logits = (math.ceil(C / _CLUSTERS_PER_LOGIT_CTA), s.kv_heads, s.batch)
         self.grid_select = (rows,)
+        self.grid_rows = (self.slices, s.kv_heads, s.batch)
         self.grid_attend = (total, s.kv_heads, s.batch)
         self.merge_grid = (rows,)
         self.out_shape = (s.batch, s.q_heads, D)
         scale_log2 = np.float32(scale * math.log2(math.e))
         self.scale_log2 = scale_log2
         # One scratch buffer: xb (f32, rows x C), codes (u8, B Hkv C 8), partial outputs
-        # (f32, rows x total x D), (m, l) pairs (f32, rows x total x 2).
-        sizes = (4 * rows * C, 8 * s.batch * s.kv_heads * C, 4 * rows * total * D, 8 * rows * total)
+        # (f32, rows x total x D), (m, l) pairs (f32, rows x total x 2), the row lists
+        # (i32 and u8, pairs x slices x slice tokens) and their counts (i32, pairs x slices).
+        list_len = pairs * self.slices * _SLICE_TOKENS
+        sizes = (4 * rows * C, 8 * pairs * C, 4 * rows * total * D, 8 * rows * total,
+                 4 * list_len, list_len, 4 * pairs * self.slices)
         self.offsets, self.scratch_bytes = _layout(sizes)
-        cap = min(s.tokens, NL)
         self.tail_logits = (np.int32(s.kv_heads), np.int32(s.group), np.int32(C),
                             np.int32(_CLUSTERS_PER_LOGIT_CTA), scale_log2)
         self.select_mid = (np.int32(s.kv_heads), np.int32(s.group), np.int32(C), np.int64(cap))
-        self.attend_mid = (np.int32(s.kv_heads), np.int32(s.group), np.int64(s.tokens), np.int64(NL),
-                           np.int32(C))
-        self.attend_tail = (np.int32(tok_chunks), np.int32(chunk_len),
+        self.rows_tail = (np.int32(s.kv_heads), np.int32(s.group), np.int64(cap), np.int64(NL),
+                          np.int32(C))
+        self.attend_tail = (np.int32(s.kv_heads), np.int32(s.group), np.int64(s.tokens),
+                            np.int32(C), np.int32(self.slices), np.int32(tok_chunks),
                             np.int32(_CLUSTERS_PER_ATTEND_CTA), np.int32(total),
                             np.int32(self.list_off), scale_log2)
+        self.NL = NL
         self.merge_tail = (np.int32(total), np.int32(D))
 
     def run(self, inp, ix, n_sink, p1, p2, count, diagnostics):
@@ -197,7 +218,7 @@ class _DoublePPlan:
             out = ops.empty(inp.q, self.out_shape)
             outp = np.uint64(ops.ptr(out))
             scratch = ops.empty(inp.q, (self.scratch_bytes,), "uint8")
-            xb, codes, po, pml = (np.uint64(ops.ptr(scratch) + o) for o in self.offsets)
+            xb, codes, po, pml, rl, hm, cnt = (np.uint64(ops.ptr(scratch) + o) for o in self.offsets)
             null = _inputs.NULL
             if diagnostics:
                 rows = s.batch * s.q_heads
@@ -208,14 +229,18 @@ class _DoublePPlan:
                 stats = rows_read = null
             self.logits(self.grid_logits, (_LOGIT_THREADS,), (qp, cent, sizes, xb) + self.tail_logits,
                         stream)
-            self.select(self.grid_select, (_SELECT_THREADS,),
-                        (xb, sizes, lens, ws, codes, stats, rows_read) + self.select_mid
-                        + (np.int32(n_sink), np.float64(p1), np.float64(p2),
-                           np.int32(1 if count else 0), np.int32(count)), stream)
+            select_args = ((xb, sizes, lens, ws, codes, stats, rows_read) + self.select_mid
+                           + (np.int32(n_sink), np.float64(p1), np.float64(p2),
+                              np.int32(1 if count else 0), np.int32(count)))
+            if self.sorted:
+                select_args += (np.int32(self.sort_p),)
+            self.select(self.grid_select, (self.select_threads,), select_args, stream)
+            self.rows(self.grid_rows, (_ROW_THREADS,),
+                      (lens, ws, labels, codes, rl, hm, cnt, rows_read) + self.rows_tail
+                      + (np.int32(n_sink), np.int32(self.slices)), stream)
             self.attend(self.grid_attend, (self.threads,),
-                        (qp, kp, vp, lens, ws, labels, codes, xb, sizes, vsums, outp, po, pml,
-                         rows_read) + self.attend_mid + (np.int32(n_sink),) + self.attend_tail,
-                        stream)
+                        (qp, kp, vp, rl, hm, cnt, codes, xb, sizes, vsums, outp, po, pml)
+                        + self.attend_tail, stream)
             if self.merge is not None:
                 self.merge(self.merge_grid, (s.head_dim,), (po, pml, outp) + self.merge_tail, stream)
             if not diagnostics:
@@ -234,7 +259,7 @@ class _DoublePPlan:
         lens, ws, labels = lens_ws_labels
         self.true_mass((tm_chunks, s.kv_heads, s.batch), (_LOGIT_THREADS,),
                        (qp, kp, lens, ws, labels, codes, np.uint64(ops.ptr(part)), np.int32(s.kv_heads),
-                        np.int32(s.group), np.int64(s.tokens), self.attend_mid[3], np.int32(self.C),
+                        np.int32(s.group), np.int64(s.tokens), np.int64(self.NL), np.int32(self.C),
                         np.int32(n_sink), np.int64(tm_len), self.scale_log2), stream)
         host = _to_host(ops, diag).view(np.uint8)
         stats = host[:32 * rows].view(np.float64).reshape(s.batch, s.q_heads, 4)

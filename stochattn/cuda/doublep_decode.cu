@@ -1,32 +1,34 @@
 // Double-P decode (SPEC section 3) and fixed top-k clusters on the GPU, over the index of
-// stochattn/cuda/doublep_index.py. Four launches per call (plus one for diagnostics):
+// stochattn/cuda/doublep_index.py. Five launches per call (plus one for diagnostics):
 //
 // 1. doublep_cluster_logits  grid (cluster blocks, Hkv, B): the pseudo-logits of every
 //    cluster for the G heads of a group, in the log2 domain,
 //    xb = log2(e) scale q.C_i + log2(s_i) (-inf for empty clusters), into scratch
-//    (B Hq, C) float32. One warp per centroid row (float32, D / 32 features per lane).
-// 2. doublep_select          grid (B Hq): stage 1 and stage 2 of one query head without a
-//    sort. Clusters are ordered by the 64-bit key (orderable bits of xb) << 32 |
-//    (2^32 - 1 - i), descending: by estimated mass, ties to the lower index, the
-//    reference's order. The shortest prefix reaching a mass target is {key >= T} for the
-//    key T of its last element, found by a radix select over 8-bit digits on the
-//    mass-weighted histogram: weights exp2(xb - max) in fixed point (2^40 per unit, so the
-//    integer histograms are exact and order-independent). Both thresholds (p1 and p2) are
-//    refined in the same passes; a pass that leaves one candidate stops (usually 3 passes).
-//    Writes one code byte per (cluster, head) into (B, Hkv, C, 8): 0 dropped,
-//    1 approximated (C_approx), 2 exact (C_exact); with `counts` (top-k clusters) the
-//    weights are 1 and the target is the count.
-// 3. doublep_attend          grid (token chunks + cluster chunks, Hkv, B), kThreads:
-//    - a token chunk scans its labels, gives each token the bit mask of the group's heads
-//      that compute it exactly (sinks and window: all heads; a middle token: the heads
-//      whose code for its cluster is 2), compacts the tokens any head needs into a
-//      shared-memory list, then streams those K and V rows through the cp.async pipeline
-//      of exact decode (the union over the group is read once; a head's logit is -inf on
-//      rows it does not need);
-//    - a cluster chunk (centroid mode) adds the C_approx clusters as pseudo-tokens:
+//    (B Hq, C) float32. One warp per centroid row (float32, D / 32 features per lane),
+//    kLogitRows rows in flight, the G dot products summed by one reduce-scatter.
+// 2. doublep_select_sorted (C <= P, the usual case) or doublep_select, grid (B Hq): stage 1
+//    and stage 2 of one query head. Clusters are ordered by the 64-bit key (orderable bits
+//    of xb) << 32 | (2^32 - 1 - i), descending: by estimated mass, ties to the lower index,
+//    the reference's order. Weights exp2(xb - max) in fixed point (2^40 per unit), so
+//    prefix masses are exact integers and order-independent; the selection is the
+//    shortest prefix whose mass reaches ceil(p * total). The sorted kernel sorts the keys
+//    in shared memory (bitonic) and scans the masses; doublep_select finds the same
+//    boundary key by a radix select over 8-bit digits on the mass-weighted histogram
+//    (no sort, any C). Both write one code byte per (cluster, head) into (B, Hkv, C, 8):
+//    0 dropped, 1 approximated (C_approx), 2 exact (C_exact); with `counts` (top-k
+//    clusters) the weights are 1 and the target is the count.
+// 3. doublep_rows            grid (slices, Hkv, B): the row list, i.e. the tokens that some
+//    head of the group computes exactly (sinks and window: all heads; a middle token: the
+//    heads whose code for its cluster is 2) with their head masks, compacted per slice of
+//    kSliceTokens tokens in position order.
+// 4. doublep_attend          grid (token chunks + cluster chunks, Hkv, B), kThreads:
+//    - a token CTA takes an equal share of its (b, kv head)'s row list and streams those K
+//      and V rows through the cp.async pipeline of exact decode (the union over the group
+//      is read once; a head's logit is -inf on rows it does not need);
+//    - a cluster CTA (centroid mode) adds the C_approx clusters as pseudo-tokens:
 //      logit xb, value value_sums / size, one warp per cluster row.
 //    Every CTA writes a normalised partial and its (max, sum) per head.
-// 4. exact_decode_merge (exact_decode.cu) combines the partials.
+// 5. exact_decode_merge (exact_decode.cu) combines the partials.
 //
 // Lengths: the index's (seq_lens and window_start on the device, int64), clamped to the
 // cache and label axes. The logits, weights and sums are float32 (the reference: float64),
@@ -42,10 +44,15 @@ namespace {
 
 constexpr int kLogitThreads = 256;
 constexpr int kLogitWarps = kLogitThreads / 32;
+constexpr int kLogitRows = 4;  // centroid rows per warp in flight
 constexpr int kSelectThreads = 256;
 constexpr int kSelectWarps = kSelectThreads / 32;
 constexpr float kFixedOne = 1099511627776.0f;  // 2^40: fixed-point unit of the weights
-constexpr int kScanTokens = 8;  // tokens per thread and round of the attention's label scan
+constexpr int kScanTokens = 8;  // tokens per thread of the row-list scan
+constexpr int kRowThreads = 256;
+constexpr int kSliceTokens = kRowThreads * kScanTokens;  // tokens per doublep_rows CTA
+constexpr int kSortThreads = 512;
+constexpr int kListCap = 1024;  // row-list entries an attention CTA stages in shared memory
 
 __device__ __forceinline__ long long clamp_len(const long long* __restrict__ lens, int b,
                                                long long cap) {
@@ -97,6 +104,37 @@ __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
   return x;
+}
+
+// Sums over the warp of GMAX values at once (a reduce-scatter: GMAX - 1 + log2(32 / GMAX)
+// shuffles instead of 5 GMAX): returns the total of part[reduced_head(lane)], which every
+// lane with that head holds; `part` is clobbered.
+template <int GMAX>
+__device__ __forceinline__ float warp_reduce_scatter(float (&part)[GMAX], int lane) {
+  static_assert(GMAX == 4 || GMAX == 8, "GMAX");
+  int off = 16;
+#pragma unroll
+  for (int half = GMAX / 2; half >= 1; half /= 2, off /= 2) {
+    const bool upper = (lane & off) != 0;
+#pragma unroll
+    for (int j = 0; j < half; ++j) {
+      const float send = upper ? part[j] : part[j + half];
+      const float keep = upper ? part[j + half] : part[j];
+      part[j] = keep + __shfl_xor_sync(0xffffffffu, send, off);
+    }
+  }
+#pragma unroll
+  for (int o = 32 / GMAX / 2; o > 0; o >>= 1) part[0] += __shfl_xor_sync(0xffffffffu, part[0], o);
+  return part[0];
+}
+
+// The head whose sum warp_reduce_scatter leaves in `lane`.
+template <int GMAX>
+__device__ __forceinline__ int reduced_head(int lane) {
+  int head = 0, off = 16;
+#pragma unroll
+  for (int half = GMAX / 2; half >= 1; half /= 2, off /= 2) head += (lane & off) ? half : 0;
+  return head;
 }
 
 __device__ __forceinline__ unsigned long long warp_sum_u64(unsigned long long x) {
@@ -168,34 +206,35 @@ doublep_cluster_logits(const T* __restrict__ q, const float* __restrict__ centro
   const long long* sz = sizes + pair * C;
   const int c0 = blockIdx.x * per_cta;
   const int c1 = min(C, c0 + per_cta);
-  // Two rows per warp iteration: both loads in flight before the reductions.
-  for (int c = c0 + warp; c < c1; c += 2 * kLogitWarps) {
-    const int c2 = c + kLogitWarps;
-    float cf[2][PER];
-    load_floats<PER>(cbase + (long long)c * D + lane * PER, cf[0]);
-    if (c2 < c1) {
-      load_floats<PER>(cbase + (long long)c2 * D + lane * PER, cf[1]);
-    } else {
+  const int head = reduced_head<GMAX>(lane);
+  // kLogitRows rows per warp iteration: all loads in flight before the reductions.
+  for (int c = c0 + warp; c < c1; c += kLogitRows * kLogitWarps) {
+    float cf[kLogitRows][PER];
 #pragma unroll
-      for (int e = 0; e < PER; ++e) cf[1][e] = 0.f;
+    for (int r = 0; r < kLogitRows; ++r) {
+      const int cr = c + r * kLogitWarps;
+      if (cr < c1) {
+        load_floats<PER>(cbase + (long long)cr * D + lane * PER, cf[r]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < PER; ++e) cf[r][e] = 0.f;
+      }
     }
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int cr = r == 0 ? c : c2;
-      float mine = 0.f;  // lane g keeps head g's logit
+    for (int r = 0; r < kLogitRows; ++r) {
+      const int cr = c + r * kLogitWarps;
+      float part[GMAX];
 #pragma unroll
       for (int g = 0; g < GMAX; ++g) {
-        if (g < G) {
-          float s = 0.f;
+        float acc = 0.f;
 #pragma unroll
-          for (int e = 0; e < PER; ++e) s = fmaf(qf[g][e], cf[r][e], s);
-          s = warp_sum(s);
-          if (lane == g) mine = s;
-        }
+        for (int e = 0; e < PER; ++e) acc = fmaf(qf[g][e], cf[r][e], acc);
+        part[g] = acc;
       }
-      if (cr < c1 && lane < G) {
+      const float dot = warp_reduce_scatter<GMAX>(part, lane);  // head `head`'s logit
+      if (cr < c1 && head < G && (lane & (32 / GMAX - 1)) == 0) {
         const long long size = sz[cr];
-        xb[(head0 + lane) * C + cr] = size > 0 ? mine + log2f((float)size) : STOCHATTN_NEG_INF;
+        xb[(head0 + head) * C + cr] = size > 0 ? dot + log2f((float)size) : STOCHATTN_NEG_INF;
       }
     }
   }
@@ -386,6 +425,189 @@ doublep_select(const float* __restrict__ xb, const long long* __restrict__ sizes
   }
 }
 
+
+// Float of an orderable() key (its inverse).
+__device__ __forceinline__ float from_orderable(unsigned u) {
+  return __uint_as_float((u & 0x80000000u) ? (u & 0x7FFFFFFFu) : ~u);
+}
+
+// Fixed-point estimated mass of a live cluster from its key (the weight doublep_select
+// computes from the same float).
+__device__ __forceinline__ unsigned long long weight_of_key(unsigned long long key, float mx) {
+  return __float2ull_rn(exp2f(from_orderable((unsigned)(key >> 32)) - mx) * kFixedOne);
+}
+
+// Block-wide max over W warps (all threads get it); `red` holds W entries.
+template <int W>
+__device__ __forceinline__ float block_max_n(float x, float* red) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = x;
+  __syncthreads();
+  float m = STOCHATTN_NEG_INF;
+#pragma unroll
+  for (int w = 0; w < W; ++w) m = fmaxf(m, red[w]);
+  __syncthreads();
+  return m;
+}
+
+// Block-wide exclusive scan of one 64-bit value per thread (kSortThreads threads); also
+// returns the total. `red` holds kSortThreads / 32 entries.
+__device__ __forceinline__ unsigned long long block_exclusive_scan_u64(unsigned long long x,
+                                                                       unsigned long long* red,
+                                                                       unsigned long long* total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  unsigned long long incl = x;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const unsigned long long y = __shfl_up_sync(0xffffffffu, incl, off);
+    if (lane >= off) incl += y;
+  }
+  if (lane == 31) red[warp] = incl;
+  __syncthreads();
+  unsigned long long before = 0, all = 0;
+  for (int w = 0; w < kSortThreads / 32; ++w) {
+    before += w < warp ? red[w] : 0ull;
+    all += red[w];
+  }
+  __syncthreads();
+  *total = all;
+  return before + incl - x;
+}
+
+// The same selection as doublep_select (identical codes and stats: both pick the shortest
+// prefix, in the same key order, whose integer mass reaches the same target) by a bitonic
+// sort of the keys in shared memory, for C <= P (dynamic shared memory: P keys, P a power
+// of two >= 2 kSortThreads). Grid (B * Hq), block kSortThreads.
+__global__ void __launch_bounds__(kSortThreads)
+doublep_select_sorted(const float* __restrict__ xb, const long long* __restrict__ sizes,
+                      const long long* __restrict__ lens,
+                      const long long* __restrict__ window_start, unsigned char* __restrict__ codes,
+                      double* __restrict__ stats, unsigned long long* __restrict__ rows_read,
+                      int Hkv, int G, int C, long long cap, int n_sink, double p1, double p2,
+                      int counts, int count, int P) {
+  constexpr int W = kSortThreads / 32;
+  unsigned long long* keys = reinterpret_cast<unsigned long long*>(dynamic_smem());
+  __shared__ unsigned long long red[W];
+  __shared__ float redf[W];
+  __shared__ int nsel[2];
+
+  const int tid = threadIdx.x;
+  const int row = blockIdx.x;
+  const int Hq = Hkv * G;
+  const int b = row / Hq, h = row % Hq, kvh = h / G, g = h % G;
+  const long long pair = (long long)b * Hkv + kvh;
+  const float* x = xb + (long long)row * C;
+  const long long* sz = sizes + pair * C;
+  const long long L = clamp_len(lens, b, cap);
+  if (rows_read && g == 0 && tid == 0) rows_read[pair] = 0;
+
+  // Keys (0 for empty clusters and padding: they sort last) and the dropped code of the
+  // empty clusters, which the sorted pass below never sees.
+  float mx = STOCHATTN_NEG_INF;
+  for (int i = tid; i < P; i += kSortThreads) {
+    const float xc = i < C ? x[i] : STOCHATTN_NEG_INF;
+    const bool live = xc != STOCHATTN_NEG_INF;
+    keys[i] = live ? ((unsigned long long)orderable(xc) << 32) |
+                         (unsigned long long)(0xFFFFFFFFu - (unsigned)i)
+                   : 0ull;
+    if (i < C && !live) codes[((pair * C + i) << 3) + g] = 0;
+    mx = fmaxf(mx, xc);
+  }
+  const float mxall = block_max_n<W>(mx, redf);
+  const bool none = mxall == STOCHATTN_NEG_INF || L == 0;
+
+  // Bitonic sort, descending.
+  for (int k = 2; k <= P; k <<= 1) {
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      __syncthreads();
+      for (int t = tid; t < P / 2; t += kSortThreads) {
+        const int i = 2 * t - (t & (j - 1));
+        const int o = i + j;
+        const unsigned long long a = keys[i], c = keys[o];
+        const bool desc = (i & k) == 0;
+        if (desc ? a < c : a > c) {
+          keys[i] = c;
+          keys[o] = a;
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  // Thread tid owns sorted positions [tid E, tid E + E): weights (selection weights: 1
+  // for top-k; `real`: the estimated masses, for the statistics), their prefix sums.
+  const int E = P / kSortThreads;
+  unsigned long long mine = 0, real = 0, live_mine = 0;
+  for (int e = 0; e < E; ++e) {
+    const unsigned long long key = keys[tid * E + e];
+    if (key != 0ull) {
+      const unsigned long long w = weight_of_key(key, mxall);
+      live_mine += 1;
+      real += w;
+      mine += counts ? 1ull : w;
+    }
+  }
+  unsigned long long total_w, n_live, total_real;
+  const unsigned long long before = block_exclusive_scan_u64(mine, red, &total_w);
+  block_exclusive_scan_u64(live_mine, red, &n_live);
+  block_exclusive_scan_u64(real, red, &total_real);
+  // Selection s (0: C_p, 1: C_exact) is "every live cluster" for p >= 1 (or top-k with
+  // count >= live), else the shortest prefix whose mass reaches the target.
+  unsigned long long target[2];
+  bool active[2];
+  for (int s = 0; s < 2; ++s) {
+    const double p = s == 0 ? p1 : p2;
+    target[s] = counts ? (unsigned long long)count : (unsigned long long)ceil(p * (double)total_w);
+    active[s] = counts ? (s == 0 && (unsigned long long)count < n_live) : p < 1.0;
+  }
+  if (tid < 2) nsel[tid] = none ? 0 : (int)n_live;
+  __syncthreads();
+  if (!none) {
+    unsigned long long run = before;
+    for (int e = 0; e < E; ++e) {
+      const unsigned long long key = keys[tid * E + e];
+      if (key == 0ull) break;
+      const unsigned long long w = counts ? 1ull : weight_of_key(key, mxall);
+#pragma unroll
+      for (int s = 0; s < 2; ++s)  // the one position where the running mass reaches it
+        if (active[s] && run < target[s] && run + w >= target[s]) nsel[s] = tid * E + e + 1;
+      run += w;
+    }
+  }
+  __syncthreads();
+  const int n_p = nsel[0];
+  const int n_e = counts ? n_p : min(nsel[1], n_p);
+
+  // Codes of the live clusters, and the statistics of C_p and C_exact.
+  unsigned long long mass_p = 0, tok_e = 0;
+  for (int i = tid; i < P; i += kSortThreads) {
+    const unsigned long long key = keys[i];
+    if (key == 0ull) continue;
+    const int c = (int)(0xFFFFFFFFu - (unsigned)(key & 0xFFFFFFFFull));
+    const unsigned char code = none ? 0 : (i < n_e ? 2 : (i < n_p ? 1 : 0));
+    codes[((pair * C + c) << 3) + g] = code;
+    if (code) {
+      mass_p += weight_of_key(key, mxall);
+      if (code == 2) tok_e += (unsigned long long)sz[c];
+    }
+  }
+  if (stats) {
+    block_exclusive_scan_u64(mass_p, red, &mass_p);
+    block_exclusive_scan_u64(tok_e, red, &tok_e);
+    if (tid == 0) {
+      double* st = stats + (long long)row * 4;
+      const long long ws = window_start[b];
+      const long long sinks = L < n_sink ? L : n_sink;
+      const long long window = L > ws ? L - ws : 0;
+      st[0] = (double)n_p;
+      st[1] = (double)n_e;
+      st[2] = L == 0 ? 0.0 : (double)(sinks + window + (long long)tok_e);
+      st[3] = L == 0 ? 0.0 : (mxall == STOCHATTN_NEG_INF ? 1.0 : (double)mass_p / (double)total_real);
+    }
+  }
+}
+
 // ---- 3. attention over exact tokens and approximated clusters ------------------------
 
 // cp.async copies of this thread's pieces of list entries [i0, i0 + kTileRows): rows
@@ -403,6 +625,79 @@ __device__ __forceinline__ void load_rows_async(unsigned char* stage, const unsi
     const bool valid = i < count;
     const unsigned char* src = valid ? base + (long long)rows[i] * kRowBytes + lr * 16 : base;
     cp_async16(stage + (rg + p * Tl::kRowGroups) * kRowBytes + lr * 16, src, valid);
+  }
+}
+
+// Grid (slices, Hkv, B), kRowThreads. The tokens of slice [slice kSliceTokens, + kSliceTokens)
+// of (b, kv head) that some head of the group computes exactly, in position order, with
+// the bit mask of those heads (sinks and window: every head; a middle token: the heads
+// whose code for its cluster is 2): row ids into rows[(pair * slices + slice) *
+// kSliceTokens + i], masks likewise, their number into counts[pair * slices + slice].
+// rows_read (optional, zeroed by the selection): the union's rows per (b, kv head).
+template <int GMAX>
+__global__ void __launch_bounds__(kRowThreads)
+doublep_rows(const long long* __restrict__ lens, const long long* __restrict__ window_start,
+             const int* __restrict__ labels, const unsigned char* __restrict__ codes,
+             int* __restrict__ rows, unsigned char* __restrict__ hmasks, int* __restrict__ counts,
+             unsigned long long* __restrict__ rows_read, int Hkv, int G, long long cap,
+             long long NL, int C, int n_sink, int slices) {
+  constexpr int W = kRowThreads / 32;
+  __shared__ int warp_counts[W];
+  const int slice = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const long long pair = (long long)b * Hkv + kvh;
+  const long long L = clamp_len(lens, b, cap);
+  const long long ws = window_start[b];
+  const long long sinks = n_sink < L ? n_sink : L;
+  const unsigned all = (1u << G) - 1u;
+  const int* lab = labels + pair * NL;
+  const long long t0 = (long long)slice * kSliceTokens + (long long)tid * kScanTokens;
+  // All label and code loads issued before any is used (the scan is latency-bound).
+  int c[kScanTokens];
+#pragma unroll
+  for (int j = 0; j < kScanTokens; ++j) {
+    const long long t = t0 + j;
+    c[j] = (t < L && t >= sinks && t < ws) ? lab[t] : -1;
+  }
+  unsigned long long word[kScanTokens];
+#pragma unroll
+  for (int j = 0; j < kScanTokens; ++j)
+    word[j] = (c[j] >= 0 && c[j] < C) ? codes_of(codes, pair, C, c[j]) : 0ull;
+  unsigned char masks[kScanTokens];
+  int mine = 0;
+#pragma unroll
+  for (int j = 0; j < kScanTokens; ++j) {
+    const long long t = t0 + j;
+    const unsigned m = t >= L ? 0u : ((t < sinks || t >= ws) ? all : heads_with<GMAX>(word[j], G, 2u));
+    masks[j] = (unsigned char)m;
+    mine += m != 0;
+  }
+  int incl = mine;  // inclusive warp scan of the per-thread counts
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, incl, off);
+    if (lane >= off) incl += y;
+  }
+  if (lane == 31) warp_counts[warp] = incl;
+  __syncthreads();
+  int at = incl - mine, total = 0;
+#pragma unroll
+  for (int w = 0; w < W; ++w) {
+    at += w < warp ? warp_counts[w] : 0;
+    total += warp_counts[w];
+  }
+  const long long base = (pair * slices + slice) * (long long)kSliceTokens;
+#pragma unroll
+  for (int j = 0; j < kScanTokens; ++j) {
+    if (masks[j]) {
+      rows[base + at] = (int)(t0 + j);
+      hmasks[base + at] = masks[j];
+      ++at;
+    }
+  }
+  if (tid == 0) {
+    counts[pair * slices + slice] = total;
+    if (rows_read && total) atomicAdd(rows_read + pair, (unsigned long long)total);
   }
 }
 
@@ -492,22 +787,61 @@ __device__ __forceinline__ void attend_approx_clusters(
                                       chunk);
 }
 
-// Grid (tok_chunks + cl_chunks, Hkv, B), kThreads. With a single chunk in all (top-k
-// clusters on a short cache) the CTA writes `out` directly; otherwise partials. Dynamic shared memory: `list_off` bytes
-// for the pipeline (reused by the merge), then chunk_len int32 row ids and chunk_len
-// head-mask bytes. rows_read (optional): union of exact rows per (b, kv head).
+// Copy entries [b0, b0 + n) of the (b, kv head)'s row list (the slices of doublep_rows,
+// concatenated) into list / hmask in shared memory. Every warp walks the slice counts
+// (32 at a time, warp scan) and, for each slice that overlaps, the whole CTA copies the
+// overlap; the caller synchronises afterwards.
+__device__ __forceinline__ void stage_row_list(const int* __restrict__ rows,
+                                               const unsigned char* __restrict__ hmasks,
+                                               const int* __restrict__ counts, long long pair,
+                                               int slices, int b0, int n, int* list,
+                                               unsigned char* hmask) {
+  const int lane = threadIdx.x % 32;
+  int pre = 0;  // entries in the slices before this group of 32
+  for (int s0 = 0; s0 < slices && pre < b0 + n; s0 += 32) {
+    const int cnt = s0 + lane < slices ? counts[pair * slices + s0 + lane] : 0;
+    int incl = cnt;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, off);
+      if (lane >= off) incl += y;
+    }
+    const int first = pre + incl - cnt;
+    const int lo = max(first, b0), hi = min(first + cnt, b0 + n);
+    unsigned overlap = __ballot_sync(0xffffffffu, hi > lo);
+    while (overlap) {
+      const int src = __ffs(overlap) - 1;
+      overlap &= overlap - 1;
+      const int slo = __shfl_sync(0xffffffffu, lo, src);
+      const int shi = __shfl_sync(0xffffffffu, hi, src);
+      const int sfirst = __shfl_sync(0xffffffffu, first, src);
+      const long long base = (pair * slices + s0 + src) * (long long)kSliceTokens + (slo - sfirst);
+      for (int i = threadIdx.x; i < shi - slo; i += kThreads) {
+        list[slo - b0 + i] = rows[base + i];
+        hmask[slo - b0 + i] = hmasks[base + i];
+      }
+    }
+    pre += __shfl_sync(0xffffffffu, incl, 31);
+  }
+}
+
+// Grid (tok_chunks + cl_chunks, Hkv, B), kThreads. Token CTA `chunk` of (b, kv head) takes
+// an equal share of its row list (doublep_rows) and streams those K and V rows through the
+// cp.async pipeline of exact decode, kListCap entries at a time (the union over the group
+// is read once; a head's logit is -inf on rows it does not need); cluster CTAs add the
+// C_approx clusters as pseudo-tokens. With a single chunk in all the CTA writes `out`
+// directly; otherwise partials. Dynamic shared memory: `list_off` bytes for the pipeline
+// (reused by the merge), then kListCap int32 row ids and kListCap head-mask bytes.
 template <typename T, int D, int GMAX>
 __global__ void __launch_bounds__(kThreads)
 doublep_attend(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-               const long long* __restrict__ lens, const long long* __restrict__ window_start,
-               const int* __restrict__ labels, const unsigned char* __restrict__ codes,
+               const int* __restrict__ rows, const unsigned char* __restrict__ hmasks,
+               const int* __restrict__ counts, const unsigned char* __restrict__ codes,
                const float* __restrict__ xb, const long long* __restrict__ sizes,
                const float* __restrict__ value_sums, T* __restrict__ out,
-               float* __restrict__ part_o, float* __restrict__ part_ml,
-               unsigned long long* __restrict__ rows_read, int Hkv,
-               int G, long long N, long long NL, int C, int n_sink, int tok_chunks,
-               int chunk_len, int cl_per_chunk, int num_chunks, int list_off,
-               float scale_log2) {
+               float* __restrict__ part_o, float* __restrict__ part_ml, int Hkv, int G,
+               long long N, int C, int slices, int tok_chunks, int cl_per_chunk, int num_chunks,
+               int list_off, float scale_log2) {
   using Tl = Tiling<D>;
   constexpr int LPR = Tl::kLanesPerRow;
   constexpr int RPT = Tl::kRowsPerThread;
@@ -529,94 +863,31 @@ doublep_attend(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
     return;
   }
 
-  const long long L = clamp_len(lens, b, N < NL ? N : NL);
-  const long long start = (long long)chunk * chunk_len;
-  const long long end = min(start + chunk_len, L);
-  if (start >= end) {
+  // This CTA's share [lo, hi) of the row list.
+  __shared__ int s_total;
+  if (warp == 0) {
+    int t = 0;
+    for (int s = lane; s < slices; s += 32) t += counts[pair * slices + s];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) t += __shfl_xor_sync(0xffffffffu, t, off);
+    if (lane == 0) s_total = t;
+  }
+  __syncthreads();
+  const int total = s_total;
+  const int per = (total + tok_chunks - 1) / tok_chunks;
+  const int lo = chunk * per, hi = min(total, lo + per);
+  if (lo >= hi) {
     write_empty_group<T, D>(G, head0, out, part_o, part_ml, num_chunks, chunk);
     return;
   }
 
-  // Phase 1: the chunk's tokens that some head computes exactly, in position order.
   int* list = reinterpret_cast<int*>(smem + list_off);
-  unsigned char* hmask = reinterpret_cast<unsigned char*>(list + chunk_len);
-  __shared__ int warp_counts[kWarps];
-  const long long ws = window_start[b];
-  const long long sinks = n_sink < L ? n_sink : L;
-  const unsigned all = (1u << G) - 1u;
-  const int* lab = labels + pair * NL;
-  // Each thread takes kScanTokens consecutive tokens per round, with all their label and
-  // code loads issued before any is used (the scan is latency-bound otherwise); a warp
-  // scan of the per-thread counts keeps the list in position order.
-  int count = 0;
-  for (long long base = start; base < end; base += kThreads * kScanTokens) {
-    const long long t0 = base + (long long)tid * kScanTokens;
-    int c[kScanTokens];
-#pragma unroll
-    for (int j = 0; j < kScanTokens; ++j) {
-      const long long t = t0 + j;
-      c[j] = (t < end && t >= sinks && t < ws) ? lab[t] : -1;
-    }
-    unsigned long long word[kScanTokens];
-#pragma unroll
-    for (int j = 0; j < kScanTokens; ++j)
-      word[j] = (c[j] >= 0 && c[j] < C) ? codes_of(codes, pair, C, c[j]) : 0ull;
-    unsigned char masks[kScanTokens];
-    int mine = 0;
-#pragma unroll
-    for (int j = 0; j < kScanTokens; ++j) {
-      const long long t = t0 + j;
-      const unsigned m = t >= end ? 0u : ((t < sinks || t >= ws) ? all : heads_with<GMAX>(word[j], G, 2u));
-      masks[j] = (unsigned char)m;
-      mine += m != 0;
-    }
-    int incl = mine;  // inclusive warp scan of the per-thread counts
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, incl, off);
-      if (lane >= off) incl += y;
-    }
-    if (lane == 31) warp_counts[warp] = incl;
-    __syncthreads();
-    int at = count + incl - mine, added = 0;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      at += w < warp ? warp_counts[w] : 0;
-      added += warp_counts[w];
-    }
-#pragma unroll
-    for (int j = 0; j < kScanTokens; ++j) {
-      if (masks[j]) {
-        list[at] = (int)(t0 + j);
-        hmask[at] = masks[j];
-        ++at;
-      }
-    }
-    count += added;
-    __syncthreads();  // warp_counts is rewritten next round; the list is read below
-  }
-  if (rows_read && tid == 0 && count) atomicAdd(rows_read + pair, (unsigned long long)count);
-  if (count == 0) {
-    write_empty_group<T, D>(G, head0, out, part_o, part_ml, num_chunks, chunk);
-    return;
-  }
-
-  // Phase 2: stream the listed K and V rows (exact decode's pipeline, gathered rows).
+  unsigned char* hmask = reinterpret_cast<unsigned char*>(list + kListCap);
   float qf[GMAX][8];
   load_group_queries<T, D, GMAX>(q, head0, G, lr, scale_log2, qf);
   const long long stream_off = pair * N * D;
   const unsigned char* kbase = reinterpret_cast<const unsigned char*>(k + stream_off);
   const unsigned char* vbase = reinterpret_cast<const unsigned char*>(v + stream_off);
-  const int ntiles = (count + ROWS - 1) / ROWS;
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < ntiles) {
-      unsigned char* st = smem + s * 2 * kStageBytes;
-      load_rows_async<D>(st, kbase, list, s * ROWS, count);
-      load_rows_async<D>(st + kStageBytes, vbase, list, s * ROWS, count);
-    }
-    cp_async_commit();
-  }
   float m[GMAX], l[GMAX], acc[GMAX][8];
 #pragma unroll
   for (int g = 0; g < GMAX; ++g) {
@@ -625,39 +896,54 @@ doublep_attend(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[g][e] = 0.f;
   }
-  int rd = 0, wr = kStages - 1;
-  for (int it = 0; it < ntiles; ++it) {
-    cp_async_wait<kStages - 2>();
-    {
-      const int nx = it + kStages - 1;
-      if (nx < ntiles) {
-        unsigned char* st = smem + wr * 2 * kStageBytes;
-        load_rows_async<D>(st, kbase, list, nx * ROWS, count);
-        load_rows_async<D>(st + kStageBytes, vbase, list, nx * ROWS, count);
+  for (int b0 = lo; b0 < hi; b0 += kListCap) {
+    const int count = min(kListCap, hi - b0);
+    stage_row_list(rows, hmasks, counts, pair, slices, b0, count, list, hmask);
+    __syncthreads();
+    const int ntiles = (count + ROWS - 1) / ROWS;
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < ntiles) {
+        unsigned char* st = smem + s * 2 * kStageBytes;
+        load_rows_async<D>(st, kbase, list, s * ROWS, count);
+        load_rows_async<D>(st + kStageBytes, vbase, list, s * ROWS, count);
       }
       cp_async_commit();
     }
-    const unsigned char* sk = smem + rd * 2 * kStageBytes;
-    rd = rd + 1 == kStages ? 0 : rd + 1;
-    wr = wr + 1 == kStages ? 0 : wr + 1;
-    const unsigned char* sv = sk + kStageBytes;
+    int rd = 0, wr = kStages - 1;
+    for (int it = 0; it < ntiles; ++it) {
+      cp_async_wait<kStages - 2>();
+      {
+        const int nx = it + kStages - 1;
+        if (nx < ntiles) {
+          unsigned char* st = smem + wr * 2 * kStageBytes;
+          load_rows_async<D>(st, kbase, list, nx * ROWS, count);
+          load_rows_async<D>(st + kStageBytes, vbase, list, nx * ROWS, count);
+        }
+        cp_async_commit();
+      }
+      const unsigned char* sk = smem + rd * 2 * kStageBytes;
+      rd = rd + 1 == kStages ? 0 : rd + 1;
+      wr = wr + 1 == kStages ? 0 : wr + 1;
+      const unsigned char* sv = sk + kStageBytes;
 
-    float x[RPT * GMAX];
-    group_partial_dots<T, D, GMAX>(sk, rg, lr, G, qf, x);
-    row_group_sums<LPR>(x, lr);
-    // A head sees only the rows it computes exactly; entries past `count` none.
+      float x[RPT * GMAX];
+      group_partial_dots<T, D, GMAX>(sk, rg, lr, G, qf, x);
+      row_group_sums<LPR>(x, lr);
+      // A head sees only the rows it computes exactly; entries past `count` none.
 #pragma unroll
-    for (int p = 0; p < RPT; ++p) {
-      const int i = it * ROWS + rg + p * RG;
-      const unsigned hm = i < count ? hmask[i] : 0u;
+      for (int p = 0; p < RPT; ++p) {
+        const int i = it * ROWS + rg + p * RG;
+        const unsigned hm = i < count ? hmask[i] : 0u;
 #pragma unroll
-      for (int g = 0; g < GMAX; ++g)
-        x[p * GMAX + g] = ((hm >> g) & 1u) ? x[p * GMAX + g] : STOCHATTN_NEG_INF;
+        for (int g = 0; g < GMAX; ++g)
+          x[p * GMAX + g] = ((hm >> g) & 1u) ? x[p * GMAX + g] : STOCHATTN_NEG_INF;
+      }
+      accumulate_stage<T, D, GMAX>(x, sv, rg, lr, G, m, l, acc);
     }
-    accumulate_stage<T, D, GMAX>(x, sv, rg, lr, G, m, l, acc);
+    cp_async_wait<0>();
+    __syncthreads();  // the stages and the list are refilled next round / by the merge
   }
-  cp_async_wait<0>();
-  __syncthreads();
   finish_group_state<T, D, GMAX>(m, l, acc, G, smem, head0, out, part_o, part_ml, num_chunks,
                                  chunk);
 }

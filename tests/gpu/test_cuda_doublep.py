@@ -220,3 +220,41 @@ def test_host_index_with_gpu_arrays_is_rejected():
     dev, host, lens, index = setup(1, 1, 2, 300, 64, [300], C=8)
     with pytest.raises(TypeError, match=r"`index` must be a GPU index"):
         stochattn.doublep_attention(*dev, index=host_index(index))
+
+
+@pytest.mark.parametrize("clusters", [None, 37])
+def test_sorted_selection_equals_radix_select(monkeypatch, clusters):
+    """The shared-memory sort (C <= SORT_SELECT_MAX_CLUSTERS) and the radix select pick the
+    same prefix of the same integer masses: identical codes, so identical outputs and
+    statistics, bit for bit."""
+    from stochattn.cuda import doublep as gpu_dp
+
+    B, Hkv, G, N, D, lens, C = CASES["G=8, many clusters"]
+    dev, _, _, index = setup(B, Hkv, G, N, D, lens, C=C, seed=21)
+    kw = dict(p1=0.9, p2=0.6, clusters=clusters, return_diagnostics=True)
+    runs = []
+    for limit in (gpu_dp.SORT_SELECT_MAX_CLUSTERS, 0):
+        monkeypatch.setattr(gpu_dp, "SORT_SELECT_MAX_CLUSTERS", limit)
+        out, diag = gpu_dp.doublep_decode(*dev, index, **kw)
+        runs.append((to_host64(out), diag))
+    (o1, d1), (o2, d2) = runs
+    np.testing.assert_array_equal(o1, o2)
+    for name in ("clusters_selected", "clusters_exact", "tokens_exact", "estimated_mass",
+                 "k_rows_read"):
+        np.testing.assert_array_equal(d1[name], d2[name])
+
+
+@pytest.mark.parametrize("num_chunks", [None, 1, 5])
+def test_long_row_lists_are_streamed_in_batches(num_chunks):
+    """p1 = p2 = 1 on 70k tokens: every token is exact, so a CTA's share spans many
+    shared-memory list batches (1024 rows) and the row list more than 32 slices (2048
+    tokens each); the result is exact attention."""
+    from stochattn.cuda.doublep import doublep_decode
+
+    B, Hkv, G, N, D = 1, 1, 4, 70001, 64
+    dev, host, lens, index = setup(B, Hkv, G, N, D, [N - 3], C=64, seed=23)
+    got, diag = doublep_decode(*dev, index, p1=1.0, p2=1.0, num_chunks=num_chunks,
+                               return_diagnostics=True)
+    exact = stochattn.exact_attention(*host, lens)
+    assert np.abs(to_host64(got) - exact).max() <= OUT_TOL["float16"]
+    assert int(diag["k_rows_read"][0, 0]) == N - 3
