@@ -163,17 +163,20 @@ class _DoublePPlan:
             name = f"doublep_attend<{ctype}, {D}, {gm}>"
             smem = stage + _align(_LIST_CAP * 5, 16)
             self.attend = _module.launcher(fam, name, smem, config)
+            cl_chunks = math.ceil(C / _CLUSTERS_PER_ATTEND_CTA) if centroid else 0
             if num_chunks is None:
-                # One wave of token CTAs (each takes an equal share of its row list, so the
-                # work per CTA does not depend on where the exact tokens lie), at least 128
-                # tokens of the cache per CTA.
+                # Two waves' worth of token CTAs (a token CTA takes an equal share of its
+                # row list, so its work does not depend on where the exact tokens lie; the
+                # gathered rows are latency-bound, so more CTAs in flight help), at least
+                # 128 tokens of the cache per token CTA. H200, calibrated K/V, (0.95, 0.7)
+                # (bench/tune_doublep.py): B=8 / 128k 255 us at 16 per pair against 393 at
+                # 4 and 285 at 64; B=32 / 32k best at 4 to 8.
                 slots = _module.num_sms() * _module.ctas_per_sm(fam, name, config.threads, smem,
                                                                 config)
-                tok_chunks = max(1, min(math.ceil(cap / 128), math.ceil(slots / pairs)))
+                tok_chunks = max(1, min(math.ceil(cap / 128), round(2 * slots / pairs)))
             else:
                 tok_chunks = num_chunks
             self.list_off = stage
-            cl_chunks = math.ceil(C / _CLUSTERS_PER_ATTEND_CTA) if centroid else 0
             total = tok_chunks + cl_chunks
             self.merge = (_module.launcher(fam, f"exact_decode_merge<{ctype}>", 0, config)
                           if total > 1 else None)

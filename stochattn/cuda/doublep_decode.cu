@@ -52,6 +52,7 @@ constexpr int kScanTokens = 8;  // tokens per thread of the row-list scan
 constexpr int kRowThreads = 256;
 constexpr int kSliceTokens = kRowThreads * kScanTokens;  // tokens per doublep_rows CTA
 constexpr int kSortThreads = 512;
+constexpr int kBins = 256;  // histogram bins of the sorted selection's candidate filter
 constexpr int kListCap = 1024;  // row-list entries an attention CTA stages in shared memory
 
 __device__ __forceinline__ long long clamp_len(const long long* __restrict__ lens, int b,
@@ -437,6 +438,12 @@ __device__ __forceinline__ unsigned long long weight_of_key(unsigned long long k
   return __float2ull_rn(exp2f(from_orderable((unsigned)(key >> 32)) - mx) * kFixedOne);
 }
 
+// Histogram bin of a live cluster's logit: floor(4 (mx - x)), at most kBins - 1.
+__device__ __forceinline__ int bin_of(float x, float mx) {
+  const float d = (mx - x) * 4.f;
+  return d < (float)(kBins - 1) ? (int)d : kBins - 1;
+}
+
 // Block-wide max over W warps (all threads get it); `red` holds W entries.
 template <int W>
 __device__ __forceinline__ float block_max_n(float x, float* red) {
@@ -491,8 +498,10 @@ doublep_select_sorted(const float* __restrict__ xb, const long long* __restrict_
   __shared__ unsigned long long red[W];
   __shared__ float redf[W];
   __shared__ int nsel[2];
+  __shared__ unsigned long long hist[kBins];
+  __shared__ int s_nk, s_bstar;
 
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int row = blockIdx.x;
   const int Hq = Hkv * G;
   const int b = row / Hq, h = row % Hq, kvh = h / G, g = h % G;
@@ -502,26 +511,110 @@ doublep_select_sorted(const float* __restrict__ xb, const long long* __restrict_
   const long long L = clamp_len(lens, b, cap);
   if (rows_read && g == 0 && tid == 0) rows_read[pair] = 0;
 
-  // Keys (0 for empty clusters and padding: they sort last) and the dropped code of the
-  // empty clusters, which the sorted pass below never sees.
+  // Pass 1: the largest logit, then the totals (selection weights, estimated masses, live
+  // clusters) and the selection weight of every bin(x) = floor(4 (max - x)) (the last bin
+  // catching everything below), summed exactly in integers.
   float mx = STOCHATTN_NEG_INF;
-  for (int i = tid; i < P; i += kSortThreads) {
-    const float xc = i < C ? x[i] : STOCHATTN_NEG_INF;
-    const bool live = xc != STOCHATTN_NEG_INF;
-    keys[i] = live ? ((unsigned long long)orderable(xc) << 32) |
-                         (unsigned long long)(0xFFFFFFFFu - (unsigned)i)
-                   : 0ull;
-    if (i < C && !live) codes[((pair * C + i) << 3) + g] = 0;
-    mx = fmaxf(mx, xc);
-  }
+  for (int c = tid; c < C; c += kSortThreads) mx = fmaxf(mx, x[c]);
   const float mxall = block_max_n<W>(mx, redf);
   const bool none = mxall == STOCHATTN_NEG_INF || L == 0;
+  for (int i = tid; i < kBins; i += kSortThreads) hist[i] = 0;
+  if (tid == 0) s_nk = 0;
+  __syncthreads();
+  unsigned long long sel_w = 0, real_w = 0, live_n = 0;
+  for (int c = tid; c < C; c += kSortThreads) {
+    const float xc = x[c];
+    if (!none && xc != STOCHATTN_NEG_INF) {
+      const unsigned long long w = __float2ull_rn(exp2f(xc - mxall) * kFixedOne);
+      const unsigned long long ws = counts ? 1ull : w;
+      real_w += w;
+      sel_w += ws;
+      live_n += 1;
+      atomicAdd(&hist[bin_of(xc, mxall)], ws);
+    }
+  }
+  unsigned long long total_w, n_live, total_real;
+  block_exclusive_scan_u64(sel_w, red, &total_w);
+  block_exclusive_scan_u64(live_n, red, &n_live);
+  block_exclusive_scan_u64(real_w, red, &total_real);
+  // Selection s (0: C_p, 1: C_exact) is "every live cluster" for p >= 1 (or top-k with
+  // count >= live), else the shortest prefix whose mass reaches the target.
+  unsigned long long target[2];
+  bool active[2];
+  for (int s = 0; s < 2; ++s) {
+    const double p = s == 0 ? p1 : p2;
+    target[s] = counts ? (unsigned long long)count : (unsigned long long)ceil(p * (double)total_w);
+    active[s] = counts ? (s == 0 && (unsigned long long)count < n_live) : p < 1.0;
+  }
 
-  // Bitonic sort, descending.
-  for (int k = 2; k <= P; k <<= 1) {
+  // Candidates K = the live clusters in bins <= b*, b* the first bin whose cumulative
+  // weight reaches target[0]: bins order clusters by logit, so the shortest prefix ends in
+  // bin b* and K holds it (C_p; C_exact is within it or is all of C_p). Warp 0: lane j
+  // owns bins 8j..8j+7.
+  if (warp == 0) {
+    int bstar = kBins - 1;
+    if (none) {
+      bstar = -1;
+    } else if (active[0]) {
+      unsigned long long part = 0;
+#pragma unroll
+      for (int i = 0; i < kBins / 32; ++i) part += hist[lane * (kBins / 32) + i];
+      unsigned long long incl = part;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const unsigned long long y = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += y;
+      }
+      const unsigned hit = __ballot_sync(0xffffffffu, incl >= target[0]);
+      if (hit) {
+        const int first = __ffs(hit) - 1;
+        int mine = kBins - 1;
+        if (lane == first) {
+          unsigned long long run = incl - part;
+          for (int i = 0; i < kBins / 32; ++i) {
+            const int bn = lane * (kBins / 32) + i;
+            run += hist[bn];
+            if (run >= target[0]) {
+              mine = bn;
+              break;
+            }
+          }
+        }
+        bstar = __shfl_sync(0xffffffffu, mine, first);
+      }
+    }
+    if (lane == 0) s_bstar = bstar;
+  }
+  __syncthreads();
+  const int bstar = s_bstar;
+
+  // Pass 2: the keys of K into shared memory (any order: they are sorted next); every
+  // other cluster is dropped.
+  for (int base = 0; base < C; base += kSortThreads) {
+    const int c = base + tid;
+    const float xc = c < C ? x[c] : STOCHATTN_NEG_INF;
+    const bool in = xc != STOCHATTN_NEG_INF && bstar >= 0 && bin_of(xc, mxall) <= bstar;
+    const unsigned ballot = __ballot_sync(0xffffffffu, in);
+    int at = 0;
+    if (lane == 0 && ballot) at = atomicAdd(&s_nk, __popc(ballot));
+    at = __shfl_sync(0xffffffffu, at, 0) + __popc(ballot & ((1u << lane) - 1u));
+    if (in) {
+      keys[at] = ((unsigned long long)orderable(xc) << 32) | (unsigned long long)(0xFFFFFFFFu - (unsigned)c);
+    } else if (c < C) {
+      codes[((pair * C + c) << 3) + g] = 0;
+    }
+  }
+  __syncthreads();
+  const int nk = s_nk;
+  int Q = 2;
+  while (Q < nk) Q <<= 1;
+  for (int i = nk + tid; i < Q; i += kSortThreads) keys[i] = 0ull;  // padding sorts last
+
+  // Bitonic sort of K, descending.
+  for (int k = 2; k <= Q; k <<= 1) {
     for (int j = k >> 1; j > 0; j >>= 1) {
       __syncthreads();
-      for (int t = tid; t < P / 2; t += kSortThreads) {
+      for (int t = tid; t < Q / 2; t += kSortThreads) {
         const int i = 2 * t - (t & (j - 1));
         const int o = i + j;
         const unsigned long long a = keys[i], c = keys[o];
@@ -535,57 +628,40 @@ doublep_select_sorted(const float* __restrict__ xb, const long long* __restrict_
   }
   __syncthreads();
 
-  // Thread tid owns sorted positions [tid E, tid E + E): weights (selection weights: 1
-  // for top-k; `real`: the estimated masses, for the statistics), their prefix sums.
-  const int E = P / kSortThreads;
-  unsigned long long mine = 0, real = 0, live_mine = 0;
+  // Thread tid owns sorted positions [tid E, tid E + E) (Q < kSortThreads: one each, or
+  // none): the prefix sums of the selection weights find both boundaries.
+  const int E = (Q + kSortThreads - 1) / kSortThreads;
+  unsigned long long mine = 0;
   for (int e = 0; e < E; ++e) {
-    const unsigned long long key = keys[tid * E + e];
-    if (key != 0ull) {
-      const unsigned long long w = weight_of_key(key, mxall);
-      live_mine += 1;
-      real += w;
-      mine += counts ? 1ull : w;
-    }
+    const int i = tid * E + e;
+    const unsigned long long key = i < Q ? keys[i] : 0ull;
+    if (key != 0ull) mine += counts ? 1ull : weight_of_key(key, mxall);
   }
-  unsigned long long total_w, n_live, total_real;
-  const unsigned long long before = block_exclusive_scan_u64(mine, red, &total_w);
-  block_exclusive_scan_u64(live_mine, red, &n_live);
-  block_exclusive_scan_u64(real, red, &total_real);
-  // Selection s (0: C_p, 1: C_exact) is "every live cluster" for p >= 1 (or top-k with
-  // count >= live), else the shortest prefix whose mass reaches the target.
-  unsigned long long target[2];
-  bool active[2];
-  for (int s = 0; s < 2; ++s) {
-    const double p = s == 0 ? p1 : p2;
-    target[s] = counts ? (unsigned long long)count : (unsigned long long)ceil(p * (double)total_w);
-    active[s] = counts ? (s == 0 && (unsigned long long)count < n_live) : p < 1.0;
-  }
-  if (tid < 2) nsel[tid] = none ? 0 : (int)n_live;
+  unsigned long long k_total;
+  const unsigned long long before = block_exclusive_scan_u64(mine, red, &k_total);
+  if (tid < 2) nsel[tid] = nk;  // a target not reached in K: all of K (s = 1: then C_p)
   __syncthreads();
-  if (!none) {
-    unsigned long long run = before;
-    for (int e = 0; e < E; ++e) {
-      const unsigned long long key = keys[tid * E + e];
-      if (key == 0ull) break;
-      const unsigned long long w = counts ? 1ull : weight_of_key(key, mxall);
+  unsigned long long run = before;
+  for (int e = 0; e < E; ++e) {
+    const int i = tid * E + e;
+    const unsigned long long key = i < Q ? keys[i] : 0ull;
+    if (key == 0ull) break;
+    const unsigned long long w = counts ? 1ull : weight_of_key(key, mxall);
 #pragma unroll
-      for (int s = 0; s < 2; ++s)  // the one position where the running mass reaches it
-        if (active[s] && run < target[s] && run + w >= target[s]) nsel[s] = tid * E + e + 1;
-      run += w;
-    }
+    for (int s = 0; s < 2; ++s)  // the one position where the running mass reaches it
+      if (active[s] && run < target[s] && run + w >= target[s]) nsel[s] = i + 1;
+    run += w;
   }
   __syncthreads();
   const int n_p = nsel[0];
   const int n_e = counts ? n_p : min(nsel[1], n_p);
 
-  // Codes of the live clusters, and the statistics of C_p and C_exact.
+  // Codes of K, and the statistics of C_p and C_exact.
   unsigned long long mass_p = 0, tok_e = 0;
-  for (int i = tid; i < P; i += kSortThreads) {
+  for (int i = tid; i < nk; i += kSortThreads) {
     const unsigned long long key = keys[i];
-    if (key == 0ull) continue;
     const int c = (int)(0xFFFFFFFFu - (unsigned)(key & 0xFFFFFFFFull));
-    const unsigned char code = none ? 0 : (i < n_e ? 2 : (i < n_p ? 1 : 0));
+    const unsigned char code = i < n_e ? 2 : (i < n_p ? 1 : 0);
     codes[((pair * C + c) << 3) + g] = code;
     if (code) {
       mass_p += weight_of_key(key, mxall);
