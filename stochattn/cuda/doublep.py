@@ -3,10 +3,12 @@
 The public entry points are :func:`stochattn.doublep_attention` and
 :func:`stochattn.cluster_topk_attention`, which validate their arguments and call
 :func:`doublep_decode` for GPU arrays with a GPU index (built by
-:func:`stochattn.build_doublep_index` from GPU arrays). One call is four launches on the
+:func:`stochattn.build_doublep_index` from GPU arrays). One call is five launches on the
 caller's current stream, with no host synchronisation (the kernel file's header says what
-each does): cluster logits, the per-head selection (radix select, no sort), the attention
-over the exact tokens and the approximated clusters (split-K), and the merge. Diagnostics
+each does): cluster logits, the per-head selection (a shared-memory sort of the clusters
+up to the boundary bin for C <= :data:`SORT_SELECT_MAX_CLUSTERS`, else a radix select),
+the row list of the tokens computed exactly, the attention over those tokens and the
+approximated clusters (split-K), and the merge. Diagnostics
 add one launch over the whole cache (the true mass needs every logit) and copy a few
 arrays to the host.
 
