@@ -393,22 +393,72 @@ def test_gemm_path_gives_the_scan_index(name):
 
 
 def test_gemm_path_in_chunks_with_multithread_blocks(monkeypatch):
-    """Score chunks of 5 rows (several GEMMs per round) and, under the simulator, blocks of
+    """Score chunks of 3 rows (several GEMMs per round) and, under the simulator, blocks of
     several threads for the reductions, scans and per-cluster loops (one thread per block
     elsewhere in these tests, for speed): the same index as the scan."""
     k, v = _mixture((1, 2, 40, 16), 4, seed=33)
     lens = np.array([40])
     kw = dict(n_clusters=5, iterations=2, n_sink=2, window=3, seed=8, tol=0.0)
     scan = kmeans_gpu(k, v, lens, method="scan", **kw)
-    monkeypatch.setattr(km, "GEMM_SCRATCH_BYTES", 5 * 2 * 2 * 5)  # 5 rows of H = 2, C = 5
+    monkeypatch.setattr(km, "GEMM_SCRATCH_BYTES", 3 * 2 * 2 * 8)  # 3 rows of H = 2, Cp = 8
     if km._SIM:
         monkeypatch.setattr(kk, "LANES", 4)
         monkeypatch.setattr(kk, "SCAN_TPB", 4)
         monkeypatch.setattr(kk, "DIM_TPB", 4)
-        monkeypatch.setattr(kk, "ROWS_PER_BLOCK", 3)
+        monkeypatch.setattr(kk, "ROW_TILE", 3)
     gemm = kmeans_gpu(k, v, lens, method="gemm", **kw)
     for field in FIELDS:
         np.testing.assert_array_equal(gemm[field], scan[field], err_msg=field)
+
+
+def _geometry_case(name):
+    if name == "C = 37, ragged rows":  # 9 words of 4 scores plus one, M not a tile multiple
+        k, v = _mixture((1, 2, 61, 8), 12, seed=41)
+        return k, v, np.array([61]), dict(n_clusters=37, iterations=2, n_sink=1, window=2)
+    if name == "all-equal keys":  # every score ties: every label is the first live cluster
+        k = np.full((1, 2, 17, 8), 0.375, dtype=np.float16)
+        v = np.random.default_rng(3).standard_normal(k.shape).astype(np.float16)
+        return k, v, np.array([17]), dict(n_clusters=6, iterations=2, n_sink=1, window=1)
+    return _gemm_case(name)
+
+
+# Simulator launch geometries (no effect on a GPU, whose kernels are compiled with the
+# defaults): several lanes and rows per assignment block, tails of every kind, and the
+# unstaged (global-memory) sums of keys_half and the per-cluster kernels.
+SIM_GEOMETRIES = {
+    "lanes 4, tiles 3 x 2": dict(LANES=4, ROW_TILE=3, TILES_PER_BLOCK=2, KH_TPB=8, KH_ROWS=3,
+                                 DIM_TPB=4, SCAN_TPB=4, TPB=8),
+    "lanes 2, tiles 1 x 3, unstaged": dict(LANES=2, ROW_TILE=1, TILES_PER_BLOCK=3, KH_TPB=4,
+                                           KH_ROWS=4, KH_SHARED=8, DIM_SHARED=4, DIM_TPB=2),
+}
+_SCAN_CACHE = {}
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("name, geometry", [
+    ("C = 37, ragged rows", "lanes 2, tiles 1 x 3, unstaged"),
+    ("all-equal keys", "lanes 4, tiles 3 x 2"),
+    ("non-finite keys", "lanes 4, tiles 3 x 2"),
+    ("huge keys", "lanes 2, tiles 1 x 3, unstaged"),
+])
+def test_gemm_path_launch_geometries(name, geometry, monkeypatch):
+    """The GEMM path's index equals the scan's under launch geometries that exercise every
+    tail (clusters past the last whole word, rows past the last whole tile or chunk, lanes
+    with fewer words) and both ways of summing norms."""
+    k, v, lens, kw = _geometry_case(name)
+    if name not in _SCAN_CACHE:
+        _SCAN_CACHE[name] = kmeans_gpu(k, v, lens, method="scan", seed=4, **kw)
+    scan = _SCAN_CACHE[name]
+    monkeypatch.setattr(km, "GEMM_SCRATCH_BYTES", 2 * 2 * 40 * 23)  # 23-row chunks at C = 37
+    if km._SIM:
+        for attr, value in SIM_GEOMETRIES[geometry].items():
+            monkeypatch.setattr(kk, attr, value)
+    gemm = kmeans_gpu(k, v, lens, method="gemm", seed=4, **kw)
+    for field in FIELDS:
+        np.testing.assert_array_equal(gemm[field], scan[field], err_msg=field)
+    if name == "all-equal keys":
+        middle = gemm["labels"] >= 0
+        assert middle.sum() == 2 * (17 - 2) and not gemm["labels"][middle].any()
 
 
 # ---- errors --------------------------------------------------------------------------------

@@ -127,12 +127,12 @@ def _bound_constants(D: int):
 
 
 class _CublasGemm:
-    """``G[p, :n] = keys16[p, r0:r0 + n] @ cent16[p].T`` for every problem p (G: flat
-    (H, rows, C)): one
+    """``G[p, :n, :C] = keys16[p, r0:r0 + n] @ cent16[p].T`` for every problem p (G: flat
+    (H, rows, Cp), rows Cp >= C apart): one
     strided-batched cuBLAS call (float16 inputs, float32 accumulation, float16 output) on
     the stream of the Numba launches."""
 
-    def __init__(self, device: int, stream_ptr: int, cent16, keys16, G, rows: int):
+    def __init__(self, device: int, stream_ptr: int, cent16, keys16, G, rows: int, ldc: int):
         import cupy
         from cupy.cuda import device as cupy_device
         from cupy_backends.cuda.libs import cublas
@@ -149,7 +149,7 @@ class _CublasGemm:
         self._zero = np.zeros(1, dtype=np.float32)
         self._a, self._b, self._c = _data_ptr(cent16), _data_ptr(keys16), _data_ptr(G)
         self._H, self._C, self._D = (int(s) for s in cent16.shape)
-        self._R, self._Rc = int(keys16.shape[1]), int(rows)
+        self._R, self._Rc, self._ldc = int(keys16.shape[1]), int(rows), int(ldc)
         get = lambda name, default: getattr(cublas, name, default)  # noqa: E731
         self._op_n, self._op_t = get("CUBLAS_OP_N", 0), get("CUBLAS_OP_T", 1)
         self._f16 = 2  # CUDA_R_16F
@@ -157,7 +157,7 @@ class _CublasGemm:
         self._algo = get("CUBLAS_GEMM_DEFAULT", -1)
 
     def __call__(self, r0: int, n: int) -> None:
-        H, C, D, R, Rc = self._H, self._C, self._D, self._R, self._Rc
+        H, C, D, R, Rc, ldc = self._H, self._C, self._D, self._R, self._Rc, self._ldc
         # cuBLAS is column-major: the row-major (n, C) score block of problem p is the
         # column-major (C, n) matrix cent16[p] (D x C, transposed) times keys16 rows (D x n).
         with self._cupy.cuda.Device(self._device), self._stream:
@@ -166,24 +166,26 @@ class _CublasGemm:
                 self._a, self._f16, D, C * D,
                 self._b + 2 * r0 * D, self._f16, D, R * D,
                 self._zero.ctypes.data,
-                self._c, self._f16, C, Rc * C,
+                self._c, self._f16, ldc, Rc * ldc,
                 H, self._compute, self._algo)
 
 
 class _EmulatedGemm:
     """The GEMM of :class:`_CublasGemm` in NumPy (float32 accumulation of the exact
-    float16 products, float16 output), for the CUDA simulator's device arrays."""
+    float16 products, float16 output), for the CUDA simulator's device arrays. The padding
+    columns C..Cp of ``G`` get NaN (never read as scores)."""
 
-    def __init__(self, cent16, keys16, G, rows: int):
+    def __init__(self, cent16, keys16, G, rows: int, ldc: int):
         self._cent16, self._keys16, self._G, self._rows = cent16, keys16, G, rows
+        self._ldc = ldc
 
     def __call__(self, r0: int, n: int) -> None:
         c16 = self._cent16.copy_to_host().astype(np.float32)
         k16 = self._keys16.copy_to_host()[:, r0:r0 + n].astype(np.float32)
         H, C = c16.shape[:2]
-        out = np.zeros((H, self._rows, C), dtype=np.float16)
+        out = np.full((H, self._rows, self._ldc), np.nan, dtype=np.float16)
         with np.errstate(all="ignore"):  # non-live centroid rows are uninitialised
-            out[:, :n] = np.matmul(k16, np.swapaxes(c16, 1, 2)).astype(np.float16)
+            out[:, :n, :C] = np.matmul(k16, np.swapaxes(c16, 1, 2)).astype(np.float16)
         self._G.copy_to_device(out.reshape(-1))
 
 
@@ -223,18 +225,23 @@ class _Build:
         small = 1 if not gemm else None  # placeholders when the GEMM path is off
         self.mu = buf((H, small or D), np.float32)
         self.cent16 = buf((H, small or C, small or D), np.float16)
+        # Score rows Cp apart (C rounded up to a multiple of 8): 16-byte aligned rows, read
+        # as 8-byte words of VEC scores by assign_gemm; clq: (H, 2, VEC, Cp / VEC).
+        Cp = -(-C // 8) * 8
+        self.clq = buf((H, 2, _k.VEC, small or Cp // _k.VEC), np.float32)
         if gemm:
             self.keys16 = buf((H, R1, D), np.float16)
             self.rown = buf((H, R1, 2), np.float32)
-            self.Rc = max(1, min(R1, scratch_bytes // (2 * H * C)))
-            self.G = buf((H * self.Rc * C,), np.float16)
+            self.Rc = max(1, min(R1, scratch_bytes // (2 * H * Cp)))
+            self.G = buf((H * self.Rc * Cp,), np.float16)
+            self.G64 = self.G.view(np.uint64)
             self.cl_flat = self.cl.reshape(H * 3 * C)
             self.bounds = _bound_constants(D)
             if _SIM:
-                self.gemm_call = _EmulatedGemm(self.cent16, self.keys16, self.G, self.Rc)
+                self.gemm_call = _EmulatedGemm(self.cent16, self.keys16, self.G, self.Rc, Cp)
             else:
                 self.gemm_call = _CublasGemm(device, _stream_ptr(kind, device), self.cent16,
-                                             self.keys16, self.G, self.Rc)
+                                             self.keys16, self.G, self.Rc, Cp)
         self.row_grid = (max(1, -(-self.R // _TPB)), H)
         self.dim_threads = _pow2_at_most(D, _k.DIM_TPB)
 
@@ -249,7 +256,7 @@ class _Build:
         gemm = np.int32(1 if self.gemm else 0)
         _k.seed_centroids[(C, H), self.dim_threads, s](
             self.k, self.bc, self.pi, ns, hkv, self.mu, self.pf, gemm, cent, self.cent16,
-            self.cl, self.out["n_initialized"])
+            self.cl, self.clq, self.out["n_initialized"])
         flags = _pinned_flags(H)
         events = (_event(), _event())
         final = None
@@ -264,7 +271,7 @@ class _Build:
             self._sort(t, final=False)
             _k.mean[(C, H), self.dim_threads, s](
                 self.k, self.bc, self.co, self.pi, self.rd, ns, hkv, np.int64(t), self.mu,
-                self.pf, gemm, cent, self.cent16, self.cl)
+                self.pf, gemm, cent, self.cent16, self.cl, self.clq)
             self.rd[1, t].copy_to_host(flags[t % 2, :H], stream=s)
             events[t % 2].record(s)
         if final is None:
@@ -282,15 +289,17 @@ class _Build:
         grid = self.row_grid
         _k.seed_keys[grid, _TPB, s](self.pi, ns, np.uint64(self.seed & 0xFFFFFFFF),
                                     np.uint64(self.seed >> 32), shift, self.comp, self.hb)
-        _k.seed_scan_fill[H, _k.SCAN_TPB, s](self.pi, np.int64(1 << self.nbits), shift,
-                                             self.comp, self.hb, self.bc)
+        _k.seed_scan[H, _k.SCAN_TPB, s](np.int64(1 << self.nbits), self.hb)
+        _k.seed_fill[grid, _TPB, s](self.pi, shift, self.comp, self.hb, self.bc)
         _k.seed_rank[grid, _TPB, s](self.pi, shift, self.comp, self.hb, self.bc)
         if self.gemm:
             _k.centre[H, self.dim_threads, s](self.k, self.bc, self.pi, ns, hkv,
                                               np.int64(self.C), self.mu, self.pf)
-            rows = (max(1, -(-max(self.R, 1) // _TPB)), H)
-            _k.keys_half[rows, _TPB, s](self.k, self.mu, self.pf, self.pi, ns, hkv,
-                                        self.keys16, self.rown)
+            D = self.D
+            rows_blk = max(1, min(_k.KH_ROWS, _k.KH_SHARED // (D + 1)))
+            rows = (-(-max(self.R, 1) // rows_blk), H)
+            _k.keys_half[rows, _k.KH_TPB, s](self.k, self.mu, self.pf, self.pi, ns, hkv,
+                                             np.int64(rows_blk), self.keys16, self.rown)
 
     def _assign(self, t: int) -> None:
         s, ns, hkv, H = self.stream, self.ns, self.hkv, self.H
@@ -302,18 +311,20 @@ class _Build:
         for r0 in range(0, self.R, self.Rc):
             n = min(self.Rc, self.R - r0)
             self.gemm_call(r0, n)
-            grid = (-(-n // _k.ROWS_PER_BLOCK), H)
+            grid = (-(-n // (_k.ROW_TILE * _k.TILES_PER_BLOCK)), H)
             _k.assign_gemm[grid, _k.LANES, s](
-                self.k, self.keys16, self.G, np.int64(r0), np.int64(n), cent, self.cl_flat,
-                self.pf, self.pi, self.rown, ns, hkv, np.int64(t), *self.bounds, labels,
-                self.co, self.rd)
+                self.k, self.G, self.G64, np.int64(r0), np.int64(n), cent, self.cl_flat,
+                self.clq, self.pf, self.pi, self.rown, ns, hkv, np.int64(t), *self.bounds,
+                labels, self.co, self.rd)
 
     def _sort(self, t: int, final: bool) -> None:
         """CSR of the labels of round t (problems whose round is active; every problem in
         the final pass), sorted by position inside each cluster."""
         s, ns, hkv = self.stream, self.ns, self.hkv
         _k.scan_fill[self.H, _k.SCAN_TPB, s](
-            self.co, self.pi, self.rd, self.out["labels"], ns, hkv, np.int64(self.C),
-            np.int64(t), np.int32(1 if final else 0), np.float64(self.tol), self.pf, self.bc)
+            self.co, self.pi, self.rd, ns, hkv, np.int64(self.C), np.int64(t),
+            np.int32(1 if final else 0), np.float64(self.tol), self.pf)
+        _k.fill[self.row_grid, _TPB, s](self.out["labels"], self.pi, self.rd, self.co, self.bc,
+                                        ns, hkv, np.int64(t))
         _k.rank[self.row_grid, _TPB, s](self.out["labels"], self.pi, self.rd, self.co, self.bc,
                                         ns, hkv, np.int64(t))

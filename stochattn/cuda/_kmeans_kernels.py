@@ -5,9 +5,10 @@ its docstring says what each step computes. Import this module only after
 Conventions: problem ``p = b * Hkv + h`` is a (sequence, KV head) pair; ``i`` indexes its
 middle tokens (position ``j = n_sink + i``), ``0 <= i < M_p``; ``live = min(C, M_p)``.
 Per-token kernels run on a grid ``(ceil(rows / TPB), H)``, per-cluster kernels on
-``(C, H)`` with threads over D, per-problem kernels on ``H`` blocks. Every kernel only uses
-block-wide shared memory and ``syncthreads`` (no warp intrinsics) so that the CUDA
-simulator runs the same code in the CPU tests.
+``(C, H)`` with threads over D, per-problem kernels on ``H`` blocks. The GEMM assignment runs
+one warp per block and reduces with ``shfl_xor_sync``; under the CUDA simulator (which has no
+warp intrinsics) :func:`_xor_f32` / :func:`_xor_i32` exchange through shared memory instead,
+so the CPU tests run the same kernel code.
 
 Scratch layout (few arrays, since every array argument costs host time at each launch):
 
@@ -15,6 +16,10 @@ Scratch layout (few arrays, since every array argument costs host time at each l
 - ``pf`` (H, 3) float32: squared scale radius, max |c^|^2, max |c|^2 (GEMM path);
 - ``cl`` (H, 3, C) float32: |c|^2 (the scan's norm), |c^|^2 and |c^| of the float16
   centred copy c^ (original units);
+- ``clq`` (H, 2, VEC, Cp / VEC) float32: |c^|^2 and |c^| again, cluster ``c`` at
+  ``[:, :, c % VEC, c // VEC]``, so that a warp reading VEC clusters per lane loads them
+  coalesced (GEMM path; Cp = C rounded up to a multiple of 8, the row stride of the score
+  chunk ``G``);
 - ``rd`` (3, rounds, H) int32: changed labels, stopped, update active, per round;
 - ``co`` (H, 2, C + 1) int32: label histogram / scatter cursors, CSR offsets;
 - ``bc`` (H, 2, R) int32: tokens bucketed by label (any order), then sorted (CSR);
@@ -45,11 +50,16 @@ SIM = bool(_numba_config.ENABLE_CUDASIM)
 TPB = 32 if SIM else 256  # threads per block of the per-token kernels
 SCAN_TPB = 1 if SIM else 256  # threads of the per-problem scans (any size)
 DIM_TPB = 1 if SIM else 256  # threads over D of the per-cluster kernels (a power of two)
-LANES = 1 if SIM else 32  # threads of the GEMM assignment, one row at a time (power of 2)
-LANES_MAX = 32  # shared-memory size of the GEMM assignment's reductions
-ROWS_PER_BLOCK = 8 if SIM else 4  # rows per block of the GEMM assignment
-UNROLL = 4  # the GEMM assignment's first pass reads UNROLL * LANES scores per step
+LANES = 1 if SIM else 32  # threads (one warp) of a GEMM-assignment block (power of 2, <= 32)
+LANES_MAX = 32  # shared-memory size of the simulator's warp shuffles
+ROW_TILE = 2 if SIM else 4  # rows of the GEMM chunk one assignment block reads together
+TILES_PER_BLOCK = 2 if SIM else 4  # row tiles per assignment block, one after the other
+VEC = 4  # float16 scores per 8-byte load (the GEMM chunk's row stride is a multiple of 8)
 SCAN_TPB_MAX = 256  # shared-memory size of the scans (tests may raise SCAN_TPB to this)
+DIM_SHARED = 1024  # the per-cluster kernels stage rows of D <= DIM_SHARED in shared memory
+KH_ROWS = 4 if SIM else 32  # most rows per keys_half block (one thread each in phase 2)
+KH_TPB = 8 if SIM else 256  # threads of a keys_half block
+KH_SHARED = 4160  # float32 slots per keys_half staging array (32 rows of D = 129)
 MU_SAMPLE = 256  # the centring vector is the mean of at most this many initial centroids
 
 # ---- Philox-4x32-10 (bit for bit stochattn.reference.rng.philox4x32) -------------------
@@ -64,6 +74,7 @@ _WORD2_PURPOSE = np.uint64(PURPOSE_KMEANS_INIT << 28)
 _F32 = np.float32
 _U64 = np.uint64
 _INF = np.float32(np.inf)
+_FULL_MASK = 0xFFFFFFFF
 
 
 @cuda.jit(device=True)
@@ -153,33 +164,151 @@ def exact_score(keys, cent, b, h, j, c, norm):
     return norm - _F32(2.0) * dot
 
 
+if SIM:
+
+    @cuda.jit(device=True)
+    def _xor_f32(x, m):
+        """``shfl_xor_sync`` of a float32 for the simulator (blocks of one warp): through
+        shared memory, every lane of the block taking part."""
+        buf = cuda.shared.array(LANES_MAX, np.float32)
+        lane = cuda.threadIdx.x
+        cuda.syncthreads()
+        buf[lane] = x
+        cuda.syncthreads()
+        return buf[lane ^ m]
+
+    @cuda.jit(device=True)
+    def _xor_i32(x, m):
+        """``shfl_xor_sync`` of an int32 for the simulator (see :func:`_xor_f32`)."""
+        buf = cuda.shared.array(LANES_MAX, np.int32)
+        lane = cuda.threadIdx.x
+        cuda.syncthreads()
+        buf[lane] = x
+        cuda.syncthreads()
+        return buf[lane ^ m]
+
+else:
+
+    @cuda.jit(device=True)
+    def _xor_f32(x, m):
+        """Value of lane ``laneid ^ m`` (the whole warp takes part)."""
+        return cuda.shfl_xor_sync(_FULL_MASK, x, m)
+
+    @cuda.jit(device=True)
+    def _xor_i32(x, m):
+        """Value of lane ``laneid ^ m`` (the whole warp takes part)."""
+        return cuda.shfl_xor_sync(_FULL_MASK, x, m)
+
+
 @cuda.jit(device=True)
-def _prep_cluster(cent, b, h, p, c, mu, pf, pi, gemm, cent16, cl):
-    """Whole block, after the centroid row is written: ``cl[p, 0, c] = |c|^2`` (sequential
-    float32 sum over D) and, for the GEMM path, the scaled float16 centred copy, its squared
-    norm and norm in original units, and the per-problem maxima / non-finite flag."""
+def _sumsq2(xs, ys, off, n):
+    """(sum xs[off + d]^2, sum ys[off + d]^2) over d < n, each a sequential float32 sum in
+    ascending d (the same arithmetic as a plain loop; four loads issued ahead)."""
+    sa = _F32(0.0)
+    sb = _F32(0.0)
+    d = 0
+    while d + 4 <= n:
+        a0 = xs[off + d]
+        a1 = xs[off + d + 1]
+        a2 = xs[off + d + 2]
+        a3 = xs[off + d + 3]
+        b0 = ys[off + d]
+        b1 = ys[off + d + 1]
+        b2 = ys[off + d + 2]
+        b3 = ys[off + d + 3]
+        sa += a0 * a0
+        sa += a1 * a1
+        sa += a2 * a2
+        sa += a3 * a3
+        sb += b0 * b0
+        sb += b1 * b1
+        sb += b2 * b2
+        sb += b3 * b3
+        d += 4
+    while d < n:
+        a0 = xs[off + d]
+        b0 = ys[off + d]
+        sa += a0 * a0
+        sb += b0 * b0
+        d += 1
+    return sa, sb
+
+
+@cuda.jit(device=True)
+def _member_sum(arr, bc, b, h, p, n_sink, lo, hi, d):
+    """Sequential float32 sum of ``arr[b, h, n_sink + bc[p, 1, q], d]`` over lo <= q < hi in
+    ascending q (eight member loads issued ahead of the additions, same order)."""
+    acc = _F32(0.0)
+    q = lo
+    while q + 8 <= hi:
+        x0 = _F32(arr[b, h, n_sink + bc[p, 1, q], d])
+        x1 = _F32(arr[b, h, n_sink + bc[p, 1, q + 1], d])
+        x2 = _F32(arr[b, h, n_sink + bc[p, 1, q + 2], d])
+        x3 = _F32(arr[b, h, n_sink + bc[p, 1, q + 3], d])
+        x4 = _F32(arr[b, h, n_sink + bc[p, 1, q + 4], d])
+        x5 = _F32(arr[b, h, n_sink + bc[p, 1, q + 5], d])
+        x6 = _F32(arr[b, h, n_sink + bc[p, 1, q + 6], d])
+        x7 = _F32(arr[b, h, n_sink + bc[p, 1, q + 7], d])
+        acc += x0
+        acc += x1
+        acc += x2
+        acc += x3
+        acc += x4
+        acc += x5
+        acc += x6
+        acc += x7
+        q += 8
+    while q < hi:
+        acc += _F32(arr[b, h, n_sink + bc[p, 1, q], d])
+        q += 1
+    return acc
+
+
+@cuda.jit(device=True)
+def _prep_cluster(cent, b, h, p, c, mu, pf, pi, gemm, cent16, cl, clq, xs, ys):
+    """Whole block, after each thread wrote its coordinates ``d = tid, tid + nthr, ...`` of
+    the centroid row: ``cl[p, 0, c] = |c|^2`` (sequential float32 sum over D) and, for the
+    GEMM path, the scaled float16 centred copy, its squared norm and norm in original units
+    (in ``cl`` and ``clq``), and the per-problem maxima / non-finite flag. ``xs``, ``ys``:
+    shared float32 arrays of DIM_SHARED, where the row and its float16 copy are staged so
+    that thread 0's sequential sums read shared memory (rows with D > DIM_SHARED are read
+    back from global memory)."""
     tid = cuda.threadIdx.x
     nthr = cuda.blockDim.x
     D = cent.shape[3]
+    staged = D <= DIM_SHARED
     down, up = pow2_scale(pf[p, 0])
-    if gemm:
-        for d in range(tid, D, nthr):
-            cent16[p, c, d] = np.float16((cent[b, h, c, d] - mu[p, d]) * down)
+    for d in range(tid, D, nthr):  # the coordinates this thread wrote
+        x = cent[b, h, c, d]
+        if gemm:
+            y = np.float16((x - mu[p, d]) * down)
+            cent16[p, c, d] = y
+            if staged:
+                ys[d] = _F32(y)
+        if staged:
+            xs[d] = x
     _sync()
     if tid == 0:
-        n = _F32(0.0)
-        for d in range(D):
-            x = cent[b, h, c, d]
-            n += x * x
-        cl[p, 0, c] = n
-        if gemm:
+        if staged:  # (ys unused without the GEMM: its sum is dropped)
+            n, n1 = _sumsq2(xs, ys if gemm else xs, 0, D)
+        else:
+            n = _F32(0.0)
             n1 = _F32(0.0)
             for d in range(D):
-                y = _F32(cent16[p, c, d])
-                n1 += y * y
+                x = cent[b, h, c, d]
+                n += x * x
+            if gemm:
+                for d in range(D):
+                    y = _F32(cent16[p, c, d])
+                    n1 += y * y
+        cl[p, 0, c] = n
+        if gemm:
             n1 = n1 * (up * up)  # exact power-of-two rescaling to original units
             cl[p, 1, c] = n1
-            cl[p, 2, c] = math.sqrt(n1)
+            q = math.sqrt(n1)
+            cl[p, 2, c] = q
+            clq[p, 0, c % VEC, c // VEC] = n1
+            clq[p, 1, c % VEC, c // VEC] = q
             if math.isfinite(n) and math.isfinite(n1):
                 cuda.atomic.max(pf, (p, 1), n1)
                 cuda.atomic.max(pf, (p, 2), n)
@@ -225,16 +354,23 @@ def seed_keys(pi, n_sink, seed_lo, seed_hi, shift, comp, hb):
 
 
 @cuda.jit
-def seed_scan_fill(pi, nbins, shift, comp, hb, bc):
-    """One block per problem: bin offsets of the composites (counting sort), then each
-    middle token into its bin of ``bc[p, 0]`` (any order inside a bin)."""
+def seed_scan(nbins, hb):
+    """One block per problem: bin offsets of the composites (counting sort)."""
     sh = cuda.shared.array(SCAN_TPB_MAX, np.int64)
-    p = cuda.blockIdx.x
-    _exclusive_scan(hb, p, nbins, sh)
-    for i in range(cuda.threadIdx.x, pi[p, 0], cuda.blockDim.x):
-        q = np.int64((comp[p, i] >> _S32) >> shift)
-        slot = cuda.atomic.add(hb, (p, 0, q), np.int32(1))
-        bc[p, 0, hb[p, 1, q] + slot] = i
+    _exclusive_scan(hb, cuda.blockIdx.x, nbins, sh)
+
+
+@cuda.jit
+def seed_fill(pi, shift, comp, hb, bc):
+    """One thread per middle token: the token into its bin of ``bc[p, 0]`` (any order
+    inside a bin)."""
+    i = np.int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x
+    p = cuda.blockIdx.y
+    if i >= pi[p, 0]:
+        return
+    q = np.int64((comp[p, i] >> _S32) >> shift)
+    slot = cuda.atomic.add(hb, (p, 0, q), np.int32(1))
+    bc[p, 0, hb[p, 1, q] + slot] = i
 
 
 @cuda.jit
@@ -292,41 +428,84 @@ def centre(keys, bc, pi, n_sink, Hkv, C, mu, pf):
             cuda.atomic.max(pf, (p, 0), s)
 
 
+@cuda.jit(device=True)
+def _half_elem(keys, mu, b, h, p, n_sink, m, i0, r, d, down, staged, stride, keys16, xs, ys):
+    """One element of :func:`keys_half`'s phase 1 (row i0 + r, coordinate d)."""
+    i = i0 + r
+    if i < m:
+        x = _F32(keys[b, h, n_sink + i, d])
+        y = np.float16((x - mu[p, d]) * down)
+        keys16[p, i, d] = y
+        if staged:
+            xs[r * stride + d] = x
+            ys[r * stride + d] = _F32(y)
+    else:
+        keys16[p, i, d] = np.float16(0.0)
+
+
 @cuda.jit
-def keys_half(keys, mu, pf, pi, n_sink, Hkv, keys16, rown):
-    """One thread per row: keys16[p, i] = float16((k - mu) * 2**-e) (zero past the
-    middle), and rown[p, i] = (|keys16 row| * 2**e, |k|) (inf when not finite)."""
-    i = np.int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x
+def keys_half(keys, mu, pf, pi, n_sink, Hkv, rows_blk, keys16, rown):
+    """Block (rows_blk rows from ``blockIdx.x * rows_blk``, problem p). Phase 1, threads over
+    (row, d) with d fastest (coalesced): keys16[p, i] = float16((k - mu) * 2**-e) (zero past
+    the middle), staging k and the float16 row (as float32) in shared memory, rows D + 1
+    apart (no bank conflicts between rows). Phase 2, one thread per row: rown[p, i] =
+    (|keys16 row| * 2**e, |k|), sequential float32 sums over D (inf when not finite; zero
+    past the middle); rows with D + 1 > KH_SHARED are read back from global memory."""
+    xs = cuda.shared.array(KH_SHARED, np.float32)
+    ys = cuda.shared.array(KH_SHARED, np.float32)
     p = cuda.blockIdx.y
     b = p // Hkv
     h = p - b * Hkv
     D = keys.shape[3]
-    if i >= keys16.shape[1]:
-        return
-    if i >= pi[p, 0]:
-        for d in range(D):
-            keys16[p, i, d] = np.float16(0.0)
-        rown[p, i, 0] = _F32(0.0)
-        rown[p, i, 1] = _F32(0.0)
-        return
+    tid = cuda.threadIdx.x
+    nthr = cuda.blockDim.x
+    m = pi[p, 0]
+    i0 = np.int64(cuda.blockIdx.x) * rows_blk
+    nr = min(rows_blk, keys16.shape[1] - i0)
+    stride = D + 1
+    staged = nr * stride <= KH_SHARED
     down, up = pow2_scale(pf[p, 0])
-    sa = _F32(0.0)
-    sb = _F32(0.0)
-    for d in range(D):
-        x = _F32(keys[b, h, n_sink + i, d])
-        y = np.float16((x - mu[p, d]) * down)
-        keys16[p, i, d] = y
-        z = _F32(y)
-        sa += z * z
-        sb += x * x
-    rown[p, i, 0] = math.sqrt(sa) * up if math.isfinite(sa) else _INF
-    rown[p, i, 1] = math.sqrt(sb) if math.isfinite(sb) else _INF
+    if D <= nthr:  # nthr // D rows at a time
+        rstep = nthr // D
+        r = tid // D
+        d = tid - r * D
+        if r < rstep:
+            while r < nr:
+                _half_elem(keys, mu, b, h, p, n_sink, m, i0, r, d, down, staged, stride, keys16,
+                           xs, ys)
+                r += rstep
+    else:
+        for r in range(nr):
+            for d in range(tid, D, nthr):
+                _half_elem(keys, mu, b, h, p, n_sink, m, i0, r, d, down, staged, stride, keys16,
+                           xs, ys)
+    _sync()
+    if tid < nr:
+        i = i0 + tid
+        if i >= m:
+            rown[p, i, 0] = _F32(0.0)
+            rown[p, i, 1] = _F32(0.0)
+            return
+        if staged:
+            sb, sa = _sumsq2(xs, ys, tid * stride, D)
+        else:
+            sa = _F32(0.0)
+            sb = _F32(0.0)
+            for d in range(D):
+                x = _F32(keys[b, h, n_sink + i, d])
+                z = _F32(keys16[p, i, d])
+                sa += z * z
+                sb += x * x
+        rown[p, i, 0] = math.sqrt(sa) * up if math.isfinite(sa) else _INF
+        rown[p, i, 1] = math.sqrt(sb) if math.isfinite(sb) else _INF
 
 
 @cuda.jit
-def seed_centroids(keys, bc, pi, n_sink, Hkv, mu, pf, gemm, cent, cent16, cl, n_init):
+def seed_centroids(keys, bc, pi, n_sink, Hkv, mu, pf, gemm, cent, cent16, cl, clq, n_init):
     """Block (cluster c, problem p): centroid c = key of the c-th token of the order (exact
     widening), zero for non-live clusters; then the cluster's norms (and GEMM copy)."""
+    xs = cuda.shared.array(DIM_SHARED, np.float32)
+    ys = cuda.shared.array(DIM_SHARED, np.float32)
     c = cuda.blockIdx.x
     p = cuda.blockIdx.y
     b = p // Hkv
@@ -345,8 +524,7 @@ def seed_centroids(keys, bc, pi, n_sink, Hkv, mu, pf, gemm, cent, cent16, cl, n_
     pos = n_sink + bc[p, 1, c]
     for d in range(tid, D, cuda.blockDim.x):
         cent[b, h, c, d] = _F32(keys[b, h, pos, d])
-    _sync()
-    _prep_cluster(cent, b, h, p, c, mu, pf, pi, gemm, cent16, cl)
+    _prep_cluster(cent, b, h, p, c, mu, pf, pi, gemm, cent16, cl, clq, xs, ys)
 
 
 # ---- assignment -----------------------------------------------------------------------------
@@ -380,13 +558,20 @@ def assign_scan(keys, cent, cl, pi, n_sink, Hkv, t, labels, co, rd):
 
 
 @cuda.jit(device=True)
-def _first_pass(c, g, n1, q, g2, ca, cb, es, U, L1, i1, L2, chk):
-    """One cluster of pass 1: filter score F = |c^|^2 - 2 g 4^e, bound e = ca |c^|^2 +
-    cb |c^| + es; keeps min (F + e), the two smallest F - e and the index of the smallest
-    (strict ``<``, clusters ascending per thread: ties to the lowest index), and the sum
-    of F (non-finite iff some F is, or it overflowed)."""
+def _filter(g, n1, q, g2, ca, cb, es):
+    """Filter score F = |c^|^2 - 2 g 4^e of one GEMM score g and its bound e = ca |c^|^2 +
+    cb |c^| + es (one expression, inlined in both passes so they round alike)."""
     f = n1 - g2 * _F32(g)
     e = ca * n1 + cb * q + es
+    return f, e
+
+
+@cuda.jit(device=True)
+def _first_pass(c, g, n1, q, g2, ca, cb, es, U, L1, i1, L2, chk):
+    """One cluster of pass 1: keeps min (F + e), the two smallest F - e and the index of the
+    smallest (strict ``<``, clusters ascending per lane: ties to the lowest index), and the
+    sum of F (non-finite iff some F is, or it overflowed)."""
+    f, e = _filter(g, n1, q, g2, ca, cb, es)
     chk += f
     hi = f + e
     lo = f - e
@@ -398,16 +583,31 @@ def _first_pass(c, g, n1, q, g2, ca, cb, es, U, L1, i1, L2, chk):
     return U, L1, i1, L2, chk
 
 
+@cuda.jit(device=True)
+def _merge_two(L1, i1, L2, lo, io, l2o):
+    """Merge (smallest F - e, its index, second smallest) of two sets of clusters; index -1:
+    empty. Symmetric, so both lanes of a shuffle pair get the same triple."""
+    if io >= 0 and (i1 < 0 or lo < L1 or (lo == L1 and io < i1)):
+        return lo, io, min(l2o, L1)
+    return L1, i1, min(L2, lo)
+
+
 @cuda.jit
-def assign_gemm(keys, keys16, G, r0, nrows, cent, cl, pf, pi, rown, n_sink, Hkv, t, alpha, beta,
-                gs, abs1, abs0, safe, labels, co, rd):
-    """LANES threads per block, rows r0 + blockIdx.x * ROWS_PER_BLOCK + (0..) of the GEMM
-    chunk ``G`` (flat (H, rows, C) float16 scores of the scaled centred copies) one at a
-    time; ``cl``: flat (H, 3, C). Pass 1 reads the row once and keeps U = min_c (F + e) and
-    the two smallest F - e; if only one cluster has F - e <= U it is the exact float32
-    argmin. Otherwise pass 2 scores every cluster with F - e <= U by :func:`exact_score`
-    (all live clusters for a row with a non-finite entry) and keeps the first minimum, so
-    the label is always the one :func:`assign_scan` would pick."""
+def assign_gemm(keys, G, G64, r0, nrows, cent, cl, clq, pf, pi, rown, n_sink, Hkv, t, alpha,
+                beta, gs, abs1, abs0, safe, labels, co, rd):
+    """One warp (LANES threads) per block, TILES_PER_BLOCK tiles of ROW_TILE consecutive rows
+    of the GEMM chunk (``G``: flat (H, rows, Cp) float16 scores of the scaled centred
+    copies; ``G64``: the same memory as 8-byte words; ``cl``: flat (H, 3, C)).
+
+    Pass 1 reads the tile's rows together: lane l loads words l, l + LANES, ... of each row
+    (VEC scores per load, coalesced) and the VEC clusters' |c^|^2, |c^| once for all rows
+    (``clq``); the last ``live % VEC`` clusters are read one by one. Per row it keeps
+    U = min_c (F + e) and the two smallest F - e; butterfly shuffles reduce them over the
+    warp. If only one cluster has F - e <= U it is the exact float32 argmin. Otherwise
+    pass 2 scores every cluster with F - e <= U by :func:`exact_score` (all live clusters
+    for a row with a non-finite entry) and keeps the first minimum, so the label is always
+    the one :func:`assign_scan` would pick. Rows past the chunk's end repeat its last row
+    (in-bounds loads, results dropped)."""
     p = cuda.blockIdx.y
     b = p // Hkv
     h = p - b * Hkv
@@ -415,12 +615,8 @@ def assign_gemm(keys, keys16, G, r0, nrows, cent, cl, pf, pi, rown, n_sink, Hkv,
     m = pi[p, 0]
     C = cent.shape[2]
     live = m if m < C else C
-    rows_g = G.shape[0] // (pi.shape[0] * C)
-    sf1 = cuda.shared.array(LANES_MAX, np.float32)
-    sf2 = cuda.shared.array(LANES_MAX, np.float32)
-    sf3 = cuda.shared.array(LANES_MAX, np.float32)
-    si1 = cuda.shared.array(LANES_MAX, np.int64)
-    si2 = cuda.shared.array(LANES_MAX, np.int32)
+    C4 = clq.shape[3]  # row stride of G in words
+    rows_g = G64.shape[0] // (pi.shape[0] * C4)
     down, up = pow2_scale(pf[p, 0])
     g2 = _F32(2.0) * (up * up)
     nmax = pf[p, 2]
@@ -430,139 +626,143 @@ def assign_gemm(keys, keys16, G, r0, nrows, cent, cl, pf, pi, rown, n_sink, Hkv,
     n0 = np.int64(p) * 3 * C  # cl plane offsets of |c|^2, |c^|^2, |c^|
     n1o = n0 + C
     nqo = n1o + C
-    step = UNROLL * LANES
-    full = live - live % step
+    full = live // VEC  # words whose VEC clusters are all live
+    rows_end = min(nrows, m - r0)  # chunk rows r < rows_end are middle tokens
+    U = cuda.local.array(ROW_TILE, np.float32)
+    L1 = cuda.local.array(ROW_TILE, np.float32)
+    L2 = cuda.local.array(ROW_TILE, np.float32)
+    chk = cuda.local.array(ROW_TILE, np.float32)
+    es = cuda.local.array(ROW_TILE, np.float32)
+    cb = cuda.local.array(ROW_TILE, np.float32)
+    i1 = cuda.local.array(ROW_TILE, np.int32)
+    bad = cuda.local.array(ROW_TILE, np.int32)
+    gw = cuda.local.array(ROW_TILE, np.int64)
+    word = cuda.local.array(ROW_TILE, np.uint64)
+    half = word.view(np.float16)  # VEC scores per word, the first in the low bits
     n_changed = 0
-    for rr in range(ROWS_PER_BLOCK):
-        r = np.int64(cuda.blockIdx.x) * ROWS_PER_BLOCK + rr
-        i = r0 + r
-        if r >= nrows or i >= m:  # the same for every lane
+    for tile in range(TILES_PER_BLOCK):
+        rt = (np.int64(cuda.blockIdx.x) * TILES_PER_BLOCK + tile) * ROW_TILE
+        if rt >= rows_end:  # the same for every lane
             break
-        j = n_sink + i
-        a = rown[p, i, 0]
-        bn = rown[p, i, 1]
-        bad = bad_p or not (math.isfinite(a) and math.isfinite(bn))
-        es = safe * (gs * (nmax + _F32(2.0) * bn * rn) + abs1 * up * a + abs0 * (up * up))
-        cb = safe * (beta * a + abs1 * up)
-        gb = (np.int64(p) * rows_g + r) * C
-        # Pass 1: UNROLL independent loads per step, then the tail one by one.
-        U = _INF
-        L1 = _INF
-        L2 = _INF
-        i1 = np.int64(-1)
-        chk = _F32(0.0)
-        c = np.int64(lane)
-        while c < full:
-            c1 = c + LANES
-            c2 = c1 + LANES
-            c3 = c2 + LANES
-            # Unsigned indices: no negative-index wraparound code in the hot loop.
-            g0 = G[_U64(gb + c)]
-            g1 = G[_U64(gb + c1)]
-            g2_ = G[_U64(gb + c2)]
-            g3 = G[_U64(gb + c3)]
-            m0 = cl[_U64(n1o + c)]
-            m1 = cl[_U64(n1o + c1)]
-            m2 = cl[_U64(n1o + c2)]
-            m3 = cl[_U64(n1o + c3)]
-            q0 = cl[_U64(nqo + c)]
-            q1 = cl[_U64(nqo + c1)]
-            q2 = cl[_U64(nqo + c2)]
-            q3 = cl[_U64(nqo + c3)]
-            U, L1, i1, L2, chk = _first_pass(c, g0, m0, q0, g2, ca, cb, es, U, L1, i1, L2, chk)
-            U, L1, i1, L2, chk = _first_pass(c1, g1, m1, q1, g2, ca, cb, es, U, L1, i1, L2, chk)
-            U, L1, i1, L2, chk = _first_pass(c2, g2_, m2, q2, g2, ca, cb, es, U, L1, i1, L2, chk)
-            U, L1, i1, L2, chk = _first_pass(c3, g3, m3, q3, g2, ca, cb, es, U, L1, i1, L2, chk)
-            c += step
-        c = full + lane
+        nval = min(ROW_TILE, rows_end - rt)
+        for k in range(ROW_TILE):
+            r = rt + min(k, nval - 1)
+            i = r0 + r
+            a = rown[p, i, 0]
+            bn = rown[p, i, 1]
+            bad[k] = 1 if bad_p or not (math.isfinite(a) and math.isfinite(bn)) else 0
+            es[k] = safe * (gs * (nmax + _F32(2.0) * bn * rn) + abs1 * up * a
+                            + abs0 * (up * up))
+            cb[k] = safe * (beta * a + abs1 * up)
+            gw[k] = (np.int64(p) * rows_g + r) * C4
+            U[k] = _INF
+            L1[k] = _INF
+            L2[k] = _INF
+            i1[k] = -1
+            chk[k] = _F32(0.0)
+        # Pass 1: VEC clusters per word, words ascending per lane.
+        w = np.int64(lane)
+        while w < full:
+            c = np.int32(w * VEC)
+            m0 = clq[p, 0, 0, w]
+            m1 = clq[p, 0, 1, w]
+            m2 = clq[p, 0, 2, w]
+            m3 = clq[p, 0, 3, w]
+            q0 = clq[p, 1, 0, w]
+            q1 = clq[p, 1, 1, w]
+            q2 = clq[p, 1, 2, w]
+            q3 = clq[p, 1, 3, w]
+            for k in range(ROW_TILE):
+                word[k] = G64[_U64(gw[k] + w)]
+            for k in range(ROW_TILE):
+                u_, l1_, i_, l2_, s_ = U[k], L1[k], i1[k], L2[k], chk[k]
+                cbk = cb[k]
+                esk = es[k]
+                u_, l1_, i_, l2_, s_ = _first_pass(c, half[VEC * k], m0, q0, g2, ca, cbk, esk,
+                                                   u_, l1_, i_, l2_, s_)
+                u_, l1_, i_, l2_, s_ = _first_pass(c + 1, half[VEC * k + 1], m1, q1, g2, ca, cbk,
+                                                   esk, u_, l1_, i_, l2_, s_)
+                u_, l1_, i_, l2_, s_ = _first_pass(c + 2, half[VEC * k + 2], m2, q2, g2, ca, cbk,
+                                                   esk, u_, l1_, i_, l2_, s_)
+                u_, l1_, i_, l2_, s_ = _first_pass(c + 3, half[VEC * k + 3], m3, q3, g2, ca, cbk,
+                                                   esk, u_, l1_, i_, l2_, s_)
+                U[k], L1[k], i1[k], L2[k], chk[k] = u_, l1_, i_, l2_, s_
+            w += LANES
+        # The last live % VEC clusters, one by one.
+        c = np.int32(full * VEC) + lane
         while c < live:
-            U, L1, i1, L2, chk = _first_pass(c, G[_U64(gb + c)], cl[_U64(n1o + c)],
-                                             cl[_U64(nqo + c)], g2, ca, cb, es, U, L1, i1, L2,
-                                             chk)
+            n1 = cl[n1o + c]
+            q = cl[nqo + c]
+            for k in range(ROW_TILE):
+                U[k], L1[k], i1[k], L2[k], chk[k] = _first_pass(
+                    c, G[gw[k] * VEC + c], n1, q, g2, ca, cb[k], es[k], U[k], L1[k], i1[k],
+                    L2[k], chk[k])
             c += LANES
-        if not math.isfinite(chk):
-            bad = True
-        # Block reduction: min U, the two smallest F - e (ties to the lower index), any bad.
-        sf1[lane] = U
-        sf2[lane] = L1
-        sf3[lane] = L2
-        si1[lane] = i1
-        si2[lane] = 1 if bad else 0
-        _sync()
-        s = LANES // 2
-        while s > 0:
-            if lane < s:
-                o = lane + s
-                if sf1[o] < sf1[lane]:
-                    sf1[lane] = sf1[o]
-                la = sf2[lane]
-                ia = si1[lane]
-                lb = sf2[o]
-                ib = si1[o]
-                if ib >= 0 and (ia < 0 or lb < la or (lb == la and ib < ia)):
-                    sf2[lane] = lb
-                    si1[lane] = ib
-                    sf3[lane] = min(sf3[o], la)
-                else:
-                    sf3[lane] = min(sf3[lane], lb)
-                si2[lane] = si2[lane] | si2[o]
-            _sync()
-            s //= 2
-        U = sf1[0]
-        L2 = sf3[0]
-        best = si1[0]
-        bad = si2[0] != 0
-        _sync()
-        if bad or not (L2 > U):
-            # Pass 2: exact scores of the candidates, first minimum; a NaN score of
-            # cluster 0 keeps label 0, other NaN scores never win (the scan's rule).
-            bs = _F32(0.0)
-            bi = np.int64(-1)
-            nan0 = 0
-            c = np.int64(lane)
-            while c < live:
-                take = bad
-                if not take:
-                    n1 = cl[n1o + c]
-                    f = n1 - g2 * _F32(G[gb + c])
-                    e = ca * n1 + cb * cl[nqo + c] + es
-                    take = f - e <= U
-                if take:
-                    sc = exact_score(keys, cent, b, h, j, c, cl[n0 + c])
-                    if sc != sc:
-                        if c == 0:
-                            nan0 = 1
-                    elif bi < 0 or sc < bs:
-                        bs = sc
-                        bi = c
-                c += LANES
-            sf1[lane] = bs
-            si1[lane] = bi
-            si2[lane] = nan0
-            _sync()
-            s = LANES // 2
-            while s > 0:
-                if lane < s:
-                    o = lane + s
-                    io = si1[o]
-                    im = si1[lane]
-                    if io >= 0 and (im < 0 or sf1[o] < sf1[lane]
-                                    or (sf1[o] == sf1[lane] and io < im)):
-                        sf1[lane] = sf1[o]
-                        si1[lane] = io
-                    si2[lane] = si2[lane] | si2[o]
-                _sync()
-                s //= 2
-            best = si1[0]
-            if si2[0] != 0:
-                best = np.int64(0)
-            _sync()
-        if lane == 0:
-            lab = np.int32(best)
-            if labels[b, h, j] != lab:
-                labels[b, h, j] = lab
-                n_changed += 1
-            cuda.atomic.add(co, (p, 0, lab), np.int32(1))
+        for k in range(ROW_TILE):
+            if k < nval:  # the same for every lane
+                u = U[k]
+                l1 = L1[k]
+                ii = i1[k]
+                l2 = L2[k]
+                bd = bad[k]
+                if not math.isfinite(chk[k]):
+                    bd = np.int32(1)
+                # Warp reduction: min U, the two smallest F - e (ties to the lower index),
+                # any bad; every lane ends with the same values.
+                off = LANES // 2
+                while off > 0:
+                    u = min(u, _xor_f32(u, off))
+                    lo_ = _xor_f32(l1, off)
+                    io_ = _xor_i32(ii, off)
+                    l2o = _xor_f32(l2, off)
+                    l1, ii, l2 = _merge_two(l1, ii, l2, lo_, io_, l2o)
+                    bd = bd | _xor_i32(bd, off)
+                    off //= 2
+                best = ii
+                j = n_sink + r0 + rt + k
+                if bd != 0 or not (l2 > u):
+                    # Pass 2: exact scores of the candidates, first minimum; a NaN score of
+                    # cluster 0 keeps label 0, other NaN scores never win (the scan's rule).
+                    gb = gw[k] * VEC
+                    cbk = cb[k]
+                    esk = es[k]
+                    bs = _F32(0.0)
+                    bi = np.int32(-1)
+                    nan0 = np.int32(0)
+                    c = np.int32(lane)
+                    while c < live:
+                        take = bd != 0
+                        if not take:
+                            f, e = _filter(G[gb + c], cl[n1o + c], cl[nqo + c], g2, ca, cbk,
+                                           esk)
+                            take = f - e <= u
+                        if take:
+                            sc = exact_score(keys, cent, b, h, j, c, cl[n0 + c])
+                            if sc != sc:
+                                if c == 0:
+                                    nan0 = np.int32(1)
+                            elif bi < 0 or sc < bs:
+                                bs = sc
+                                bi = c
+                        c += LANES
+                    off = LANES // 2
+                    while off > 0:
+                        bo = _xor_f32(bs, off)
+                        io_ = _xor_i32(bi, off)
+                        if io_ >= 0 and (bi < 0 or bo < bs or (bo == bs and io_ < bi)):
+                            bs = bo
+                            bi = io_
+                        nan0 = nan0 | _xor_i32(nan0, off)
+                        off //= 2
+                    best = bi
+                    if nan0 != 0:
+                        best = np.int32(0)
+                if lane == 0:
+                    lab = np.int32(best)
+                    if labels[b, h, j] != lab:
+                        labels[b, h, j] = lab
+                        n_changed += 1
+                    cuda.atomic.add(co, (p, 0, lab), np.int32(1))
     if lane == 0 and n_changed > 0:
         cuda.atomic.add(rd, (0, t, p), np.int32(n_changed))
 
@@ -571,12 +771,12 @@ def assign_gemm(keys, keys16, G, r0, nrows, cent, cl, pf, pi, rown, n_sink, Hkv,
 
 
 @cuda.jit
-def scan_fill(co, pi, rd, labels, n_sink, Hkv, C, t, final, tol, pf, bc):
+def scan_fill(co, pi, rd, n_sink, Hkv, C, t, final, tol, pf):
     """One block per problem. Round t (``final == 0``): stopped[t] = stopped[t-1] or
     changed[t] <= floor(tol * M); the update runs (active[t] = 1) iff the problem had not
     stopped and some label changed. Then (active rounds and the final pass) CSR offsets of
-    the labels and each token into its cluster's segment of ``bc[p, 0]`` (any order inside
-    a segment). Also clears the per-problem maxima for the coming update."""
+    the labels (:func:`fill` then puts each token into its cluster's segment of
+    ``bc[p, 0]``). Also clears the per-problem maxima for the coming update."""
     sh = cuda.shared.array(SCAN_TPB_MAX, np.int64)
     p = cuda.blockIdx.x
     b = p // Hkv
@@ -602,10 +802,21 @@ def scan_fill(co, pi, rd, labels, n_sink, Hkv, C, t, final, tol, pf, bc):
         if not go:
             return
     _exclusive_scan(co, p, live, sh)
-    for i in range(tid, m, cuda.blockDim.x):
-        lab = labels[b, h, n_sink + i]
-        slot = cuda.atomic.add(co, (p, 0, lab), np.int32(1))
-        bc[p, 0, co[p, 1, lab] + slot] = i
+
+
+@cuda.jit
+def fill(labels, pi, rd, co, bc, n_sink, Hkv, t):
+    """One thread per middle token of an active problem: the token into its cluster's
+    segment of ``bc[p, 0]`` (any order inside a segment; :func:`rank` sorts it)."""
+    i = np.int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x
+    p = cuda.blockIdx.y
+    b = p // Hkv
+    h = p - b * Hkv
+    if i >= pi[p, 0] or rd[2, t, p] == 0:
+        return
+    lab = labels[b, h, n_sink + i]
+    slot = cuda.atomic.add(co, (p, 0, lab), np.int32(1))
+    bc[p, 0, co[p, 1, lab] + slot] = i
 
 
 @cuda.jit
@@ -629,10 +840,12 @@ def rank(labels, pi, rd, co, bc, n_sink, Hkv, t):
 
 
 @cuda.jit
-def mean(keys, bc, co, pi, rd, n_sink, Hkv, t, mu, pf, gemm, cent, cent16, cl):
+def mean(keys, bc, co, pi, rd, n_sink, Hkv, t, mu, pf, gemm, cent, cent16, cl, clq):
     """Block (cluster c, problem p), threads over D: an active problem's non-empty cluster
     moves to the float32 mean of its members (sequential sum in position order, one IEEE
     division); then the cluster's norms (and GEMM copy); clears its histogram count."""
+    xs = cuda.shared.array(DIM_SHARED, np.float32)
+    ys = cuda.shared.array(DIM_SHARED, np.float32)
     c = cuda.blockIdx.x
     p = cuda.blockIdx.y
     b = p // Hkv
@@ -651,12 +864,9 @@ def mean(keys, bc, co, pi, rd, n_sink, Hkv, t, mu, pf, gemm, cent, cent16, cl):
         hi = co[p, 1, c + 1]
         if hi > lo:
             for d in range(tid, D, cuda.blockDim.x):
-                acc = _F32(0.0)
-                for q in range(lo, hi):
-                    acc += _F32(keys[b, h, n_sink + bc[p, 1, q], d])
-                cent[b, h, c, d] = acc / _F32(hi - lo)
-    _sync()
-    _prep_cluster(cent, b, h, p, c, mu, pf, pi, gemm, cent16, cl)
+                cent[b, h, c, d] = (_member_sum(keys, bc, b, h, p, n_sink, lo, hi, d)
+                                    / _F32(hi - lo))
+    _prep_cluster(cent, b, h, p, c, mu, pf, pi, gemm, cent16, cl, clq, xs, ys)
 
 
 @cuda.jit
@@ -681,9 +891,6 @@ def stats(values, bc, co, pi, n_sink, Hkv, sizes, value_sums):
     lo = co[p, 1, c]
     hi = co[p, 1, c + 1]
     for d in range(tid, D, cuda.blockDim.x):
-        acc = _F32(0.0)
-        for q in range(lo, hi):
-            acc += _F32(values[b, h, n_sink + bc[p, 1, q], d])
-        value_sums[b, h, c, d] = acc
+        value_sums[b, h, c, d] = _member_sum(values, bc, b, h, p, n_sink, lo, hi, d)
     if tid == 0:
         sizes[b, h, c] = hi - lo

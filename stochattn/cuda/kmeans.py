@@ -24,8 +24,10 @@ precision and order of work (kernels: :mod:`stochattn.cuda._kmeans_kernels`):
   of up to 256 initial centroids), scaled by a power of two (those centroids to norms <=
   16, far from float16 overflow), rounded to float16, and one strided-batched cuBLAS GEMM
   per chunk of tokens (float32 accumulation, float16 output, at most
-  :data:`GEMM_SCRATCH_BYTES` of scores at once) gives every (token, cluster) score. A
-  kernel reads each token's row once with a proven bound ``e_c`` on the gap between that
+  :data:`GEMM_SCRATCH_BYTES` of scores at once; rows padded to a multiple of 8 scores)
+  gives every (token, cluster) score. A kernel (one warp per block, a tile of rows read
+  together in coalesced 8-byte words, warp-shuffle reductions) reads each token's row once
+  with a proven bound ``e_c`` on the gap between that
   score and the float32 score (float16 rounding of inputs and output, the accumulation,
   the float32 scan's own rounding, times ``1 + 2**-8``): when a single cluster can be the
   float32 minimum it is the label; otherwise the clusters whose interval reaches the best
@@ -34,10 +36,11 @@ precision and order of work (kernels: :mod:`stochattn.cuda._kmeans_kernels`):
   (``bench/calibrated.py``, 32k tokens, N/16 clusters) about one token in eight needs
   the second look, 1.2 candidates on average.
 - **Update (deterministic, O(M D)).** A stable counting sort of the tokens by label: the
-  integer histogram (built by the assignment), an exclusive scan per problem, a scatter,
-  and each token's place inside its cluster = the number of members before it in position
-  order. Each cluster then moves to the float32 sum of its members' keys in ascending
-  position order divided by the count (IEEE division); empty clusters stay. No
+  integer histogram (built by the assignment), an exclusive scan per problem, a scatter
+  (one thread per token), and each token's place inside its cluster = the number of members
+  before it in position order. Each cluster then moves to the float32 sum of its
+  members' keys in ascending position order divided by the count (IEEE division); empty
+  clusters stay. No
   floating-point atomics, so a run is reproducible bit for bit. Placing a token costs
   the size of its cluster: negligible unless one cluster holds a large share of the tokens.
 - **Early stop.** The assignment counts changed labels per problem (integer atomics); a

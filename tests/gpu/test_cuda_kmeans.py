@@ -174,3 +174,21 @@ def test_gemm_path_equals_scan_on_llm_like_keys(monkeypatch):
     ratio = _inertia(k, gemm["labels"], gemm["centroids"]) / _inertia(k, full["labels"], full["centroids"])
     print(f"\nmean squared distance, default tol / tol 0 (10 rounds): {ratio:.4f}")
     assert 1.0 - 1e-3 <= ratio <= 1.05
+
+
+def test_gemm_path_equals_scan_ragged_shapes():
+    """C = 509 (score rows padded to 512, 127 whole 4-score words plus one cluster), a
+    token count that is no multiple of a row tile, a block or a warp, and all-equal keys in
+    one head (every score ties): the compiled warp-per-tile assignment gives the scan's
+    index bit for bit."""
+    rng = np.random.default_rng(5)
+    k = (2.0 * rng.standard_normal((1, 2, 3001, D))).astype(np.float16)
+    k[0, 1] = np.float16(0.25)
+    v = rng.standard_normal(k.shape).astype(np.float16)
+    kd, vd = cupy.asarray(k), cupy.asarray(v)
+    kw = dict(n_clusters=509, iterations=4, n_sink=3, window=5, seed=7, tol=0.0)
+    gemm = _host(kmeans_gpu(kd, vd, method="gemm", **kw))
+    scan = _host(kmeans_gpu(kd, vd, method="scan", **kw))
+    for name in gemm:
+        np.testing.assert_array_equal(gemm[name], scan[name], err_msg=name)
+    assert not gemm["labels"][0, 1][gemm["labels"][0, 1] >= 0].any()
