@@ -17,23 +17,12 @@ import time
 
 import numpy as np
 
+from bench.bench_decode import Timing, time_steady
 from bench.bench_doublep import calibrated
 
 
-def gpu_us(fn, torch, batches=15, calls=10):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    per = []
-    for _ in range(batches):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(calls):
-            fn()
-        e.record()
-        e.synchronize()
-        per.append(s.elapsed_time(e) * 1e3 / calls)
-    return float(np.median(per))
+def gpu_us(fn, torch):
+    return time_steady(fn, Timing(batches=15, calls=10))
 
 
 def host_us(fn, torch, loops=5, calls=20):

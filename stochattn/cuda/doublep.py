@@ -23,6 +23,7 @@ reference does).
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 
@@ -78,7 +79,7 @@ def doublep_decode(q, k, v, index, *, p1=1.0, p2=1.0, clusters=None, softmax_sca
     diagnostics : dict, only with ``return_diagnostics``
     """
     inp = _inputs.gather(q, k, v)
-    ix = _IndexArrays(index)
+    ix = _IndexArrays.of(index)
     config = _sources.get_config()
     centroid = clusters is None
     key = ("doublep", inp.key, ix.key, centroid, type(softmax_scale), softmax_scale,
@@ -92,13 +93,31 @@ def doublep_decode(q, k, v, index, *, p1=1.0, p2=1.0, clusters=None, softmax_sca
 class _IndexArrays:
     """The index arrays the kernels read: metas (the plan key) and, on demand, pointers."""
 
-    __slots__ = ("arrays", "ops", "key")
+    __slots__ = ("arrays", "ops", "key", "_pointers", "__weakref__")
 
-    def __init__(self, index):
-        self.arrays = tuple(getattr(index, name) for name, _, _ in _INDEX_FIELDS)
+    #: index -> its _IndexArrays, reused while the index holds the same array objects (an
+    #: append or a stack gives new ones): a decode step does not re-inspect seven arrays.
+    _cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+    def __init__(self, index, arrays=None):
+        self.arrays = arrays or tuple(getattr(index, name) for name, _, _ in _INDEX_FIELDS)
         self.ops = tuple(ops_for(f"index.{name}", a)
                          for (name, _, _), a in zip(_INDEX_FIELDS, self.arrays))
         self.key = tuple((o.name,) + tuple(o.meta(a)) for o, a in zip(self.ops, self.arrays))
+        self._pointers = None
+
+    @classmethod
+    def of(cls, index) -> "_IndexArrays":
+        arrays = tuple(getattr(index, name) for name, _, _ in _INDEX_FIELDS)
+        try:
+            hit = cls._cache.get(index)
+        except TypeError:  # not weak-referenceable: no cache
+            return cls(index, arrays)
+        if hit is not None and all(a is b for a, b in zip(hit.arrays, arrays)):
+            return hit
+        ix = cls(index, arrays)
+        cls._cache[index] = ix
+        return ix
 
     def check(self, shape, device):
         """Dtypes, shapes and device against the cache (plan time)."""
@@ -129,8 +148,17 @@ class _IndexArrays:
         return C, int(self.arrays[3].shape[2])
 
     def pointers(self):
-        return tuple(np.uint64(o.ptr(o.contiguous("index", a)))
-                     for o, a in zip(self.ops, self.arrays))
+        """Device pointers of the arrays, and the arrays they point into (keep them alive
+        until the launches are enqueued). Remembered when every array is contiguous and
+        aligned as it is (the index's own arrays always are): the same array objects keep
+        their storage. Otherwise copies are made at every call, which stay current."""
+        if self._pointers is not None:
+            return self._pointers, self.arrays
+        used = tuple(o.contiguous("index", a) for o, a in zip(self.ops, self.arrays))
+        ptrs = tuple(np.uint64(o.ptr(a)) for o, a in zip(self.ops, used))
+        if all(u is a for u, a in zip(used, self.arrays)):
+            self._pointers = ptrs
+        return ptrs, used
 
 
 class _DoublePPlan:
@@ -219,7 +247,7 @@ class _DoublePPlan:
         s = self.shape
         with _inputs.device_scope(self.device):
             qp, kp, vp, _null, _keep, stream = _inputs.launch_args(inp, None, False, s, self.device)
-            cent, sizes, vsums, labels, lens, ws = ix.pointers()
+            (cent, sizes, vsums, labels, lens, ws), _held = ix.pointers()
             out = ops.empty(inp.q, self.out_shape)
             outp = np.uint64(ops.ptr(out))
             scratch = ops.empty(inp.q, (self.scratch_bytes,), "uint8")

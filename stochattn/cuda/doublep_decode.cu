@@ -243,6 +243,24 @@ doublep_cluster_logits(const T* __restrict__ q, const float* __restrict__ centro
 
 // ---- 2. selection (stage 1 and stage 2) ----------------------------------------------
 
+// The query head of a selection CTA (row = b * Hq + h), its group and length; zeroes the
+// group's rows_read counter (once, from head 0) for doublep_rows to count into.
+struct SelectRow {
+  int row, b, g;
+  long long pair, L;
+  __device__ SelectRow(int row_, int Hkv, int G, const long long* __restrict__ lens,
+                       long long cap, unsigned long long* __restrict__ rows_read)
+      : row(row_) {
+    const int Hq = Hkv * G;
+    const int h = row % Hq;
+    b = row / Hq;
+    g = h % G;
+    pair = (long long)b * Hkv + h / G;
+    L = clamp_len(lens, b, cap);
+    if (rows_read && g == 0 && threadIdx.x == 0) rows_read[pair] = 0;
+  }
+};
+
 // Grid (B * Hq), block kSelectThreads. Row r = b * Hq + h. `p[0]`, `p[1]`: p1, p2 (top-p) or
 // `count` clusters (counts != 0: only selection 0, every selected cluster exact).
 // stats (optional, (B Hq, 4) float64): |C_p|, |C_exact|, exact tokens (sinks + window +
@@ -262,14 +280,11 @@ doublep_select(const float* __restrict__ xb, const long long* __restrict__ sizes
   __shared__ int done[2];
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int row = blockIdx.x;
-  const int Hq = Hkv * G;
-  const int b = row / Hq, h = row % Hq, kvh = h / G, g = h % G;
-  const long long pair = (long long)b * Hkv + kvh;
+  const SelectRow r(blockIdx.x, Hkv, G, lens, cap, rows_read);
+  const int row = r.row, b = r.b, g = r.g;
+  const long long pair = r.pair, L = r.L;
   const float* x = xb + (long long)row * C;
   const long long* sz = sizes + pair * C;
-  const long long L = clamp_len(lens, b, cap);
-  if (rows_read && g == 0 && tid == 0) rows_read[pair] = 0;
 
   // Max over the non-empty clusters (empty ones hold -inf).
   float mx = STOCHATTN_NEG_INF;
@@ -499,17 +514,15 @@ doublep_select_sorted(const float* __restrict__ xb, const long long* __restrict_
   __shared__ float redf[W];
   __shared__ int nsel[2];
   __shared__ unsigned long long hist[kBins];
+  __shared__ unsigned long long lane_w[kSortThreads];
   __shared__ int s_nk, s_bstar;
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int row = blockIdx.x;
-  const int Hq = Hkv * G;
-  const int b = row / Hq, h = row % Hq, kvh = h / G, g = h % G;
-  const long long pair = (long long)b * Hkv + kvh;
+  const SelectRow r(blockIdx.x, Hkv, G, lens, cap, rows_read);
+  const int row = r.row, b = r.b, g = r.g;
+  const long long pair = r.pair, L = r.L;
   const float* x = xb + (long long)row * C;
   const long long* sz = sizes + pair * C;
-  const long long L = clamp_len(lens, b, cap);
-  if (rows_read && g == 0 && tid == 0) rows_read[pair] = 0;
 
   // Pass 1: the largest logit, then the totals (selection weights, estimated masses, live
   // clusters) and the selection weight of every bin(x) = floor(4 (max - x)) (the last bin
@@ -522,16 +535,30 @@ doublep_select_sorted(const float* __restrict__ xb, const long long* __restrict_
   if (tid == 0) s_nk = 0;
   __syncthreads();
   unsigned long long sel_w = 0, real_w = 0, live_n = 0;
-  for (int c = tid; c < C; c += kSortThreads) {
-    const float xc = x[c];
-    if (!none && xc != STOCHATTN_NEG_INF) {
+  for (int base = 0; base < C; base += kSortThreads) {  // uniform over the warp
+    const int c = base + tid;
+    const float xc = c < C ? x[c] : STOCHATTN_NEG_INF;
+    const bool live = !none && xc != STOCHATTN_NEG_INF;
+    unsigned long long ws = 0;
+    if (live) {
       const unsigned long long w = __float2ull_rn(exp2f(xc - mxall) * kFixedOne);
-      const unsigned long long ws = counts ? 1ull : w;
+      ws = counts ? 1ull : w;
       real_w += w;
       sel_w += ws;
       live_n += 1;
-      atomicAdd(&hist[bin_of(xc, mxall)], ws);
     }
+    // One shared atomic per distinct bin of the warp: the lanes of a bin leave their
+    // weights in `lane_w`, the lowest of them adds the sum.
+    const int bin = live ? bin_of(xc, mxall) : -1;
+    lane_w[tid] = ws;
+    const unsigned peers = __match_any_sync(0xffffffffu, bin);
+    __syncwarp();
+    if (live && lane == __ffs(peers) - 1) {
+      unsigned long long sum = 0;
+      for (unsigned m = peers; m; m &= m - 1) sum += lane_w[warp * 32 + __ffs(m) - 1];
+      atomicAdd(&hist[bin], sum);
+    }
+    __syncwarp();
   }
   unsigned long long total_w, n_live, total_real;
   block_exclusive_scan_u64(sel_w, red, &total_w);
