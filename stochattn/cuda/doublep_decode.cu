@@ -265,7 +265,7 @@ struct SelectRow {
 // `count` clusters (counts != 0: only selection 0, every selected cluster exact).
 // stats (optional, (B Hq, 4) float64): |C_p|, |C_exact|, exact tokens (sinks + window +
 // tokens of C_exact), estimated mass of C_p (0 for an empty sequence, 1 without clusters).
-// rows_read (optional, B Hkv): zeroed here for the attention launch to count into.
+// rows_read (optional, B Hkv): zeroed here for doublep_rows to count into.
 __global__ void __launch_bounds__(kSelectThreads)
 doublep_select(const float* __restrict__ xb, const long long* __restrict__ sizes,
                const long long* __restrict__ lens, const long long* __restrict__ window_start,
@@ -498,9 +498,11 @@ __device__ __forceinline__ unsigned long long block_exclusive_scan_u64(unsigned 
 }
 
 // The same selection as doublep_select (identical codes and stats: both pick the shortest
-// prefix, in the same key order, whose integer mass reaches the same target) by a bitonic
-// sort of the keys in shared memory, for C <= P (dynamic shared memory: P keys, P a power
-// of two >= 2 kSortThreads). Grid (B * Hq), block kSortThreads.
+// prefix, in the same key order, whose integer mass reaches the same target), for C <= P
+// (dynamic shared memory: P keys, P a power of two >= 2 kSortThreads): an exact histogram
+// of the weights over logit bins finds the bin where the p1 prefix ends, and only the
+// clusters up to that bin are bitonic-sorted in shared memory and scanned. Grid (B * Hq),
+// block kSortThreads.
 __global__ void __launch_bounds__(kSortThreads)
 doublep_select_sorted(const float* __restrict__ xb, const long long* __restrict__ sizes,
                       const long long* __restrict__ lens,
