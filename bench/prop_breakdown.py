@@ -48,7 +48,7 @@ def main():
             from stochattn.cuda import _module, _sources
 
             cfg = _sources.get_config()
-            occ = _module.ctas_per_sm("santa_prop", "santa_prop_logits<stochattn::f16, 128, 4>",
+            occ = _module.ctas_per_sm("santa_prop", "santa_prop_logits<stochattn::f16, 128, 4, false>",
                                       cfg.threads, cfg.smem_bytes("santa_prop", 128, 4))
             times = {nc: time_steady(lambda: santa_prop(q, k, v, budget=256, seed=1, num_chunks=nc))
                      for nc in (None, 8, 16, 24, 33, 48, 64)}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["backend_of", "cuda_not_implemented", "host_ints", "require_cupy"]
+__all__ = ["backend_of", "cuda_not_implemented", "host_floats", "host_ints", "require_cupy"]
 
 
 def _kind(name: str, a) -> str:
@@ -65,11 +65,21 @@ def require_cupy(function: str) -> None:
         ) from e
 
 
-def host_ints(a) -> np.ndarray:
-    """Integer values on the host as int64: a device-to-host copy for CuPy and torch arrays
-    (used by diagnostics only, which are allowed to synchronise)."""
+def _host(a) -> np.ndarray:
+    """A device-to-host copy for CuPy and torch arrays (diagnostics only, which are allowed
+    to synchronise); NumPy arrays as they are."""
     if hasattr(a, "get"):
         a = a.get()
     elif hasattr(a, "cpu"):
         a = a.cpu()
-    return np.asarray(a).astype(np.int64)
+    return np.asarray(a)
+
+
+def host_ints(a) -> np.ndarray:
+    """Integer values on the host as int64 (see _host)."""
+    return _host(a).astype(np.int64)
+
+
+def host_floats(a) -> np.ndarray:
+    """Values on the host as float64 (see _host)."""
+    return _host(a).astype(np.float64)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _validation as val
-from ._backend import backend_of, cuda_not_implemented
+from ._backend import backend_of, host_floats, host_ints, require_cupy
 from .diagnostics import Diagnostics
 from .reference import bernoulli as _ref
 from .reference.common import finish, lengths
@@ -98,9 +98,11 @@ def bernoulli_scores(q, k, seq_lens=None, *, draws=4, group_shared=False, seed=0
     >>> s_hat.shape, diag.k_feature_fraction.shape
     ((1, 4, 100), (1, 4))
     """
-    backend = backend_of(q=q, k=k, seq_lens=seq_lens)
-    if backend != "numpy":
-        raise cuda_not_implemented("bernoulli_scores", "the feature-sparse Bernoulli score kernel")
+    backend = backend_of(q=q, k=k)
+    if backend == "cuda":
+        return _bernoulli_cuda(q, k, seq_lens, draws, group_shared, seed, offset, check_finite,
+                               return_diagnostics)
+    backend_of(q=q, k=k, seq_lens=seq_lens)  # host seq_lens only, for the reference
     shape = val.check_score_inputs(q, k, seq_lens)
     draws = val.check_budget("draws", draws)
     group_shared = val.check_bool("group_shared", group_shared)
@@ -117,3 +119,22 @@ def bernoulli_scores(q, k, seq_lens=None, *, draws=4, group_shared=False, seed=0
     diag = Diagnostics(seq_lens=lens, k_rows_read=rows, v_rows_read=np.zeros_like(rows),
                        k_feature_fraction=fraction)
     return out, diag
+
+
+def _bernoulli_cuda(q, k, seq_lens, draws, group_shared, seed, offset, check_finite,
+                    return_diagnostics):
+    """GPU arrays: stochattn.cuda.bernoulli (token-major K, pieces of unkept features skipped)."""
+    require_cupy("bernoulli_scores")
+    from .cuda.bernoulli import bernoulli_scores_gpu
+
+    if check_finite:
+        val.check_finite(q=q, k=k)
+    out, frac = bernoulli_scores_gpu(q, k, seq_lens, draws=draws, group_shared=group_shared,
+                                     seed=seed, offset=offset, check_seq_lens=check_finite)
+    if not return_diagnostics:
+        return out
+    B, Hkv, N = int(k.shape[0]), int(k.shape[1]), int(k.shape[2])
+    lens = np.full(B, N, dtype=np.int64) if seq_lens is None else host_ints(seq_lens)
+    rows = np.repeat(lens[:, None], Hkv, axis=1)
+    return out, Diagnostics(seq_lens=lens, k_rows_read=rows, v_rows_read=np.zeros_like(rows),
+                            k_feature_fraction=host_floats(frac))

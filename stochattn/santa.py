@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _validation as val
-from ._backend import backend_of, cuda_not_implemented, host_ints, require_cupy
+from ._backend import backend_of, cuda_not_implemented, host_floats, host_ints, require_cupy
 from .diagnostics import Diagnostics
 from .reference import santa as _ref
 from .reference.common import finish, lengths, union_rows_per_kv_head
@@ -117,7 +117,8 @@ def santa_attention(q, k, v, seq_lens=None, *, budget, sampler="systematic", sch
     backend = backend_of(q=q, k=k, v=v)
     if backend == "cuda":
         return _santa_cuda(q, k, v, seq_lens, budget, sampler, schedule, tile_size, seed, offset,
-                           scores, softmax_scale, check_finite, return_diagnostics)
+                           scores, bernoulli_draws, bernoulli_group_shared, softmax_scale,
+                           check_finite, return_diagnostics)
     backend_of(q=q, k=k, v=v, seq_lens=seq_lens)  # host seq_lens only, for the reference
     shape = val.check_attention_inputs(q, k, v, seq_lens)
     S = val.check_budget("budget", budget)
@@ -154,15 +155,16 @@ def santa_attention(q, k, v, seq_lens=None, *, budget, sampler="systematic", sch
 
 
 def _santa_cuda(q, k, v, seq_lens, budget, sampler, schedule, tile_size, seed, offset, scores,
-                softmax_scale, check_finite, return_diagnostics):
-    """GPU arrays: the S²ANTA-prop and S²ANTA-flash kernels (exact scores); other options say
-    what is missing."""
+                draws, group_shared, softmax_scale, check_finite, return_diagnostics):
+    """GPU arrays: the S²ANTA-prop (exact or Bernoulli scores) and S²ANTA-flash kernels;
+    other options say what is missing."""
     val.check_choice("schedule", schedule, _ref.SCHEDULES)
     val.check_choice("scores", scores, _ref.SCORES)
     if schedule == "global":
         raise cuda_not_implemented("santa_attention", "schedule='global'; the GPU has 'prop' and 'flash'")
-    if scores != "exact":
-        raise cuda_not_implemented("santa_attention", "the Bernoulli score stage")
+    if scores != "exact" and schedule != "prop":
+        raise cuda_not_implemented("santa_attention", "the Bernoulli score stage with "
+                                   "schedule='flash'; it is on the GPU with schedule='prop'")
     require_cupy("santa_attention")
     if check_finite:
         val.check_finite(q=q, k=k, v=v)
@@ -171,11 +173,15 @@ def _santa_cuda(q, k, v, seq_lens, budget, sampler, schedule, tile_size, seed, o
     if schedule == "prop":
         from .cuda import santa_prop
 
+        bern = scores == "bernoulli"
+        if bern:
+            common.update(scores=scores, bernoulli_draws=draws, bernoulli_group_shared=group_shared,
+                          return_feature_fraction=return_diagnostics)
         res = santa_prop(q, k, v, seq_lens, return_indices=return_diagnostics, **common)
         if not return_diagnostics:
             return res
-        out, idx = res
-        extra = {}
+        out, idx = res[0], res[1]
+        extra = dict(k_feature_fraction=host_floats(res[2])) if bern else {}
     else:
         from .cuda import flash_diagnostics, santa_flash
 

@@ -82,6 +82,10 @@ class TileConfig:
                     or self.tile_rows(d) > 256:
                 raise ValueError(f"stage_bytes {self.stage_bytes} does not tile head_dim {d} with "
                                  f"{self.threads} threads")
+        # santa_flash.cu's per-warp pipeline: stages of stage_bytes / warps, 1 to 32 rows of
+        # head dim 64 (a whole number of rows per lane for both head dims).
+        if not 512 <= self.warp_stage_bytes() <= 4096:
+            raise ValueError(f"stage_bytes / warps must be in [512, 4096], got {self}")
 
     def options(self) -> tuple:
         """NVRTC / nvcc options: the language standard and the tiling macros."""
@@ -97,8 +101,13 @@ class TileConfig:
     def rows_per_thread(self, head_dim: int) -> int:
         return self.tile_rows(head_dim) // (self.threads // (head_dim // 8))
 
-    def smem_bytes(self, family: str, head_dim: int, gmax: int) -> int:
-        """Dynamic shared memory of the family's streaming kernel (static arrays excluded)."""
+    def warp_stage_bytes(self) -> int:
+        """Bytes of one stage of a warp's own K pipeline (santa_flash.cu: WarpTiling)."""
+        return self.stage_bytes // (self.threads // 32)
+
+    def smem_bytes(self, family: str, head_dim: int, gmax: int, tile_size: int = 0) -> int:
+        """Dynamic shared memory of the family's streaming kernel (static arrays excluded);
+        ``tile_size``: the sampling tile of santa_flash (its per-warp buffers)."""
         if family == "exact_decode":  # K+V stages, reused by the cross-warp merge
             merge = (2 + head_dim) * (self.threads // 32) * gmax * 4
             return max(self.stages * 2 * self.stage_bytes, merge)
@@ -107,8 +116,12 @@ class TileConfig:
         if family == "doublep_decode":  # K+V stages, reused by the merge; the row list follows
             merge = (2 + head_dim) * (self.threads // 32) * gmax * 4
             return max(self.stages * 2 * self.stage_bytes, merge)
-        if family == "santa_flash":  # K stages, reused by the final sum over warps
-            return max(self.stages * self.stage_bytes, head_dim * (self.threads // 32) * gmax * 4)
+        if family == "santa_flash":  # per warp: K stages, logits, counts, row list; then merge
+            if tile_size <= 0:
+                raise ValueError("santa_flash's shared memory depends on `tile_size`")
+            warps = self.threads // 32
+            per_warp = FLASH_WARP_STAGES * self.warp_stage_bytes() + tile_size * (8 * gmax + 4)
+            return max(warps * per_warp, (2 + head_dim) * warps * gmax * 4)
         raise KeyError(family)
 
     def label(self) -> str:
@@ -116,6 +129,7 @@ class TileConfig:
 
 
 _REDUCE_CODES = {"butterfly": 0, "scatter": 1}
+FLASH_WARP_STAGES = 8  # santa_flash.cu: kFlashStages
 _OPTIONS = ("-std=c++17",)
 
 # The configuration the wrappers use. To change the default, edit this line (tests and
@@ -197,8 +211,12 @@ def name_expressions(family: str, dtypes=None) -> list:
         elif family == "santa_prop":
             for d in HEAD_DIMS:
                 for gm in GROUP_MAXES:
-                    names.append(f"santa_prop_logits<{ctype}, {d}, {gm}>")
+                    names.append(f"santa_prop_logits<{ctype}, {d}, {gm}, false>")
+                    names.append(f"santa_prop_logits<{ctype}, {d}, {gm}, true>")
                 names.append(f"santa_prop_sample<{ctype}, {d}>")
+            names.append(f"bernoulli_qhat<{ctype}>")
+            for gm in GROUP_MAXES:
+                names.append(f"bernoulli_logits_fm<{ctype}, {gm}>")
         elif family == "santa_flash":
             for d in HEAD_DIMS:
                 for gm in GROUP_MAXES:

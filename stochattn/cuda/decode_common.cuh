@@ -47,6 +47,9 @@ struct Elem<f16> {
 template <>
 struct Elem<bf16> {
   // bfloat16 is the upper half of a float32: widening is a shift, exact.
+  static __device__ __forceinline__ float to_float(unsigned short h) {
+    return __uint_as_float((unsigned)h << 16);
+  }
   static __device__ __forceinline__ float2 pair(unsigned w) {
     return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xFFFF0000u));
   }
@@ -137,26 +140,36 @@ struct Tiling {
   static_assert((kRowsPerThread & (kRowsPerThread - 1)) == 0, "rows per thread: a power of two");
 };
 
-// Issue the cp.async copies of this thread's pieces of rows [row0, row0 + kTileRows) of
-// one (b, kv head) stream into a stage buffer; rows at or past `end` are zero-filled.
-// Thread (rg, lr) copies rows row0 + rg + p * kRowGroups, bytes [16 lr, 16 lr + 16): the
-// very pieces it reads in the compute step (see above).
-template <int D>
-__device__ __forceinline__ void load_tile_async(unsigned char* stage, const unsigned char* base,
-                                                long long row0, long long end) {
-  using Tl = Tiling<D>;
+// Issue the cp.async copies of this thread's pieces of RPT rows of one (b, kv head)
+// stream into a stage buffer: rows row0 + rg + p * RG (p < RPT), bytes [16 lr, 16 lr + 16),
+// to the same offsets relative to `stage`; rows at or past `end` are zero-filled. These are
+// the very pieces the thread reads in the compute step (see above).
+// `need == false` (a piece no query reads) zero-fills without reading memory.
+template <int D, int RPT, int RG>
+__device__ __forceinline__ void load_rows_async(unsigned char* stage, const unsigned char* base,
+                                                long long row0, long long end, int rg, int lr,
+                                                bool need = true) {
   constexpr int kRowBytes = D * 2;
-  const int lr = threadIdx.x % Tl::kLanesPerRow, rg = threadIdx.x / Tl::kLanesPerRow;
   const long long first = row0 + rg;
   const unsigned char* src0 = base + first * kRowBytes + lr * 16;
   unsigned char* dst0 = stage + rg * kRowBytes + lr * 16;
 #pragma unroll
-  for (int p = 0; p < Tl::kRowsPerThread; ++p) {
-    const bool valid = first + p * Tl::kRowGroups < end;
+  for (int p = 0; p < RPT; ++p) {
+    const bool valid = need && first + p * RG < end;
     // A zero-filled copy still needs a legal address: point it at the stream's first row.
-    const unsigned char* src = valid ? src0 + (long long)p * Tl::kRowGroups * kRowBytes : base;
-    cp_async16(dst0 + p * Tl::kRowGroups * kRowBytes, src, valid);
+    const unsigned char* src = valid ? src0 + (long long)p * RG * kRowBytes : base;
+    cp_async16(dst0 + p * RG * kRowBytes, src, valid);
   }
+}
+
+// The CTA-wide stage of kTileRows rows [row0, row0 + kTileRows): thread (rg, lr) of the
+// CTA copies rows row0 + rg + p * kRowGroups.
+template <int D>
+__device__ __forceinline__ void load_tile_async(unsigned char* stage, const unsigned char* base,
+                                                long long row0, long long end, bool need = true) {
+  using Tl = Tiling<D>;
+  load_rows_async<D, Tl::kRowsPerThread, Tl::kRowGroups>(
+      stage, base, row0, end, threadIdx.x / Tl::kLanesPerRow, threadIdx.x % Tl::kLanesPerRow, need);
 }
 
 // The stage buffers live in dynamic shared memory (sizes above 48 KB need the opt-in the
@@ -195,17 +208,34 @@ __device__ __forceinline__ void load_group_queries(const T* __restrict__ q, long
   }
 }
 
-// Partial dot products of this thread's 8 features with the G queries, for its RPT rows
-// of a K stage (rows rg + p * kRowGroups): x[p * GMAX + g]; heads g >= G give 0. The
-// row-group sums are then row_group_sums (all lanes) or Scatter (owner lanes).
-template <typename T, int D, int GMAX>
-__device__ __forceinline__ void group_partial_dots(
-    const unsigned char* __restrict__ sk, int rg, int lr, int G, const float (&qf)[GMAX][8],
-    float (&x)[Tiling<D>::kRowsPerThread * GMAX]) {
-  using Tl = Tiling<D>;
+// The same from fp32 queries that are already scaled (Bernoulli's q_hat rows).
+template <int D, int GMAX>
+__device__ __forceinline__ void load_group_queries_f32(const float* __restrict__ q, long long head0,
+                                                       int G, int lr, float (&qf)[GMAX][8]) {
 #pragma unroll
-  for (int p = 0; p < Tl::kRowsPerThread; ++p) {
-    const int r = rg + p * Tl::kRowGroups;
+  for (int g = 0; g < GMAX; ++g) {
+    if (g < G) {
+      const float4 a = *reinterpret_cast<const float4*>(q + (head0 + g) * D + lr * 8);
+      const float4 c = *reinterpret_cast<const float4*>(q + (head0 + g) * D + lr * 8 + 4);
+      qf[g][0] = a.x; qf[g][1] = a.y; qf[g][2] = a.z; qf[g][3] = a.w;
+      qf[g][4] = c.x; qf[g][5] = c.y; qf[g][6] = c.z; qf[g][7] = c.w;
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) qf[g][e] = 0.f;
+    }
+  }
+}
+
+// Partial dot products of this thread's 8 features with the G queries, for its RPT rows
+// of a K stage (rows rg + p * RG): x[p * GMAX + g]; heads g >= G give 0. The row-group
+// sums are then row_group_sums (all lanes) or Scatter (owner lanes).
+template <typename T, int D, int GMAX, int RPT, int RG>
+__device__ __forceinline__ void partial_dots_rows(const unsigned char* __restrict__ sk, int rg,
+                                                  int lr, int G, const float (&qf)[GMAX][8],
+                                                  float (&x)[RPT * GMAX]) {
+#pragma unroll
+  for (int p = 0; p < RPT; ++p) {
+    const int r = rg + p * RG;
     float kf[8];
     unpack8<T>(*reinterpret_cast<const uint4*>(sk + r * (D * 2) + lr * 16), kf);
 #pragma unroll
@@ -218,6 +248,15 @@ __device__ __forceinline__ void group_partial_dots(
       x[p * GMAX + g] = s;
     }
   }
+}
+
+// The same for the CTA-wide stage (Tiling<D>: rows rg + p * kRowGroups).
+template <typename T, int D, int GMAX>
+__device__ __forceinline__ void group_partial_dots(
+    const unsigned char* __restrict__ sk, int rg, int lr, int G, const float (&qf)[GMAX][8],
+    float (&x)[Tiling<D>::kRowsPerThread * GMAX]) {
+  using Tl = Tiling<D>;
+  partial_dots_rows<T, D, GMAX, Tl::kRowsPerThread, Tl::kRowGroups>(sk, rg, lr, G, qf, x);
 }
 
 // Sum over the kLanesPerRow lanes of a row group (butterfly: every lane gets the sum).

@@ -151,18 +151,15 @@ class _FlashPlan:
         self.shape = s
         ctype = _sources.CTYPES[dtype_name]
         n_tiles = math.ceil(s.tokens / ts)
-        # chunk_len: a multiple of the logit buffer (a sampling tile or a load tile), so
-        # buffers hold whole tiles and no tile straddles two chunks.
-        align = max(ts, config.tile_rows(s.head_dim))
+        # chunk_len: a multiple of the sampling tile, so no tile straddles two chunks (the
+        # warps of a CTA own whole tiles).
+        align = ts
         self.threads = config.threads
         gm = group_max(s.group)
-        smem = config.smem_bytes(_FAMILY, s.head_dim, gm)
+        smem = config.smem_bytes(_FAMILY, s.head_dim, gm, ts)
         with _inputs.device_scope(self.device):
             name = f"santa_flash_chunk<{ctype}, {s.head_dim}, {gm}>"
             self.chunk = _module.launcher(_FAMILY, name, smem, config)
-            # The kernel also has ~8-17 KB of static shared memory: static + dynamic above
-            # 48 KB needs the opt-in even when the dynamic part alone is below it.
-            self.chunk.raw.max_dynamic_shared_size_bytes = smem
             chunks, chunk_len = _module.split_tokens(_FAMILY, name, smem, config,
                                                      s.batch * s.kv_heads, s.tokens, align, num_chunks)
             self.merge = _module.launcher(_FAMILY, f"exact_decode_merge<{ctype}>", 0, config) \

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -17,12 +18,17 @@ _SAMPLE_THREADS = 256  # santa_prop.cu: kSampleThreads
 _TILE_THREADS = 256  # santa_prop.cu: kTileThreads
 _TILES_PER_CTA = (_TILE_THREADS // 32) * 4  # santa_prop.cu: kTileWarps * kTilesPerWarp
 _SAMPLER_CODE = {"systematic": 0, "stratified": 1, "iid": 2}  # philox.cuh: Sampler
+_SCORES = ("exact", "bernoulli")
+_QHAT_THREADS = 128  # bernoulli.cuh: kQhatThreads
+_FM_THREADS = 128  # bernoulli.cuh: kFmThreads
+_FM_TOKENS_PER_PASS = _FM_THREADS * 8  # bernoulli.cuh: kFmThreads * kFmTokens
 TILE_SIZES = (32, 64, 128, 256)
 
 
 def santa_prop(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_size=64, seed=0,
                offset=0, softmax_scale=None, return_indices=False, num_chunks=None,
-               check_seq_lens=False):
+               check_seq_lens=False, scores="exact", bernoulli_draws=4,
+               bernoulli_group_shared=False, k_feature_major=None, return_feature_fraction=False):
     """S²ANTA-prop estimate of one decode step on the GPU: ``(1/S) sum_m v[J_m]``.
 
     The S points of ``sampler`` (the reference's global points: Philox stream row
@@ -55,6 +61,27 @@ def santa_prop(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_siz
         Also return the sampled token indices.
     num_chunks : int, optional
         Token-axis split of the logits kernel (tests and tuning); default fills the GPU.
+    check_seq_lens : bool
+        Check GPU ``seq_lens`` values against [0, N] (one device-to-host copy and a sync).
+    scores : {"exact", "bernoulli"}
+        Score stage. ``"bernoulli"``: the logits are ``scale * s_hat`` with s_hat the
+        Bernoulli qK^T estimate of :func:`stochattn.bernoulli.bernoulli_scores` (same
+        random stream as the reference, so the same features are kept). The scores are
+        unbiased, the softmax of them is not: the output is then a biased estimate of o.
+    bernoulli_draws : int
+        Draws of the ternary query (>= 1); only with ``"bernoulli"``.
+    bernoulli_group_shared : bool
+        One feature pattern per KV head from the group's mean |q| ("mean group query");
+        only with ``"bernoulli"``.
+    k_feature_major : GPU array, shape (B, Hkv, D, L), dtype of ``k``, optional
+        The keys again in a feature-major layout (``k.transpose(-1, -2)`` made contiguous,
+        L >= N a multiple of 8 tokens; only the first N are read). With ``"bernoulli"``
+        the score stage then reads only the rows of kept features, which is where the
+        skipped features save memory traffic; without it the token-major ``k`` is read
+        with the 16-byte pieces no head keeps skipped.
+    return_feature_fraction : bool
+        Also return the fraction of the D key features each query head reads (B, Hq),
+        float32 (all ones for exact scores); only with ``"bernoulli"``.
 
     Returns
     -------
@@ -62,6 +89,8 @@ def santa_prop(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_siz
     indices : GPU array of int64, shape (B, Hq, S), only with ``return_indices``
         Token index of every point, sorted along S (the points are sorted); 0 for empty
         sequences.
+    feature_fraction : GPU array of float32, shape (B, Hq), only with
+        ``return_feature_fraction`` (after ``indices`` when both are asked for).
 
     Examples
     --------
@@ -72,20 +101,60 @@ def santa_prop(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_siz
     (1, 32, 128)
     """
     seed, offset = val.check_seed_offset(seed, offset)
+    want_frac = val.check_bool("return_feature_fraction", return_feature_fraction)
     inp = _inputs.gather(q, k, v)
+    kfm_meta = None
+    if k_feature_major is not None:
+        k_feature_major = _feature_major_input(inp, k_feature_major)
+        kfm_meta = inp.ops.meta(k_feature_major)
+    score = _ScoreStage.of(scores, bernoulli_draws, bernoulli_group_shared, kfm_meta, want_frac)
     config = _sources.get_config()  # pass 1 tiling
     key = ("santa_prop", inp.key, type(budget), budget, sampler, type(tile_size), tile_size,
            type(softmax_scale), softmax_scale, type(num_chunks), num_chunks, bool(return_indices),
-           config)
+           score, config)
     plan = _inputs.cached_plan(
-        key, lambda: _PropPlan(inp, budget, sampler, tile_size, softmax_scale, num_chunks, config))
-    return plan.run(inp, seq_lens, check_seq_lens, seed, offset, bool(return_indices))
+        key, lambda: _PropPlan(inp, budget, sampler, tile_size, softmax_scale, num_chunks, config,
+                               score))
+    res = plan.run(inp, seq_lens, check_seq_lens, seed, offset, bool(return_indices),
+                   k_feature_major)
+    return res
+
+
+class _ScoreStage(NamedTuple):
+    """The score stage of one santa_prop configuration (part of the plan key)."""
+
+    bernoulli: bool
+    draws: int
+    group_shared: bool
+    kfm_meta: object  # ops.meta of the feature-major keys, or None (token-major reads)
+    want_frac: bool
+
+    @staticmethod
+    def of(scores, draws, group_shared, kfm_meta, want_frac):
+        val.check_choice("scores", scores, _SCORES)
+        draws = val.check_positive_int("bernoulli_draws", draws)
+        group_shared = val.check_bool("bernoulli_group_shared", group_shared)
+        bern = scores == "bernoulli"
+        if not bern and (kfm_meta is not None or want_frac):
+            raise ValueError("`k_feature_major` and `return_feature_fraction` need "
+                             "scores='bernoulli'")
+        if draws >= 2**31 // 128:
+            raise ValueError(f"`bernoulli_draws` must be below {2**31 // 128}, got {draws}")
+        return _ScoreStage(bern, draws if bern else 0, group_shared and bern, kfm_meta, want_frac)
+
+
+def _feature_major_input(inp, kfm):
+    """``kfm`` as a contiguous array of ``inp``'s framework (shape checked in the plan)."""
+    ops = inp.ops
+    if _inputs.ops_for("k_feature_major", kfm) is not ops:
+        raise TypeError("`k_feature_major` must come from the framework of `k`")
+    return ops.contiguous("k_feature_major", kfm)
 
 
 class _PropPlan:
     """Everything one configuration of :func:`santa_prop` needs, resolved once."""
 
-    def __init__(self, inp, budget, sampler, tile_size, softmax_scale, num_chunks, config):
+    def __init__(self, inp, budget, sampler, tile_size, softmax_scale, num_chunks, config, score):
         S = val.check_budget("budget", budget)
         val.check_choice("sampler", sampler, SAMPLERS)
         if not isinstance(tile_size, (int, np.integer)) or isinstance(tile_size, bool):
@@ -106,12 +175,25 @@ class _PropPlan:
         self.threads1 = config.threads
         gm = group_max(s.group)
         smem1 = config.smem_bytes("santa_prop", s.head_dim, gm)
+        self.score = score
+        if score.kfm_meta is not None:
+            _check_feature_major(score.kfm_meta, inp, s, self.device)
         with _inputs.device_scope(self.device):
-            name1 = f"santa_prop_logits<{ctype}, {s.head_dim}, {gm}>"
+            qhat = "true" if score.bernoulli else "false"
+            name1 = f"santa_prop_logits<{ctype}, {s.head_dim}, {gm}, {qhat}>"
             self.logits = _module.launcher("santa_prop", name1, smem1, config)
             chunks, chunk_len = _module.split_tokens("santa_prop", name1, smem1, config,
                                                      s.batch * s.kv_heads, s.tokens,
                                                      config.tile_rows(s.head_dim), num_chunks)
+            if score.bernoulli:
+                self.qhat = _module.launcher("santa_prop", f"bernoulli_qhat<{ctype}>", 0, config)
+            if score.kfm_meta is not None:
+                name_fm = f"bernoulli_logits_fm<{ctype}, {gm}>"
+                self.logits_fm = _module.launcher("santa_prop", name_fm, 0, config)
+                fm_chunks, self.fm_chunk_len = _module.split_tokens(
+                    "santa_prop", name_fm, 0, config, s.batch * s.kv_heads, s.tokens,
+                    _FM_TOKENS_PER_PASS, None)
+                self.grid_fm = (fm_chunks, s.kv_heads, s.batch)
             self.tiles = _module.launcher("santa_prop", "santa_prop_tiles", 0, config)
             self.sample = _module.launcher("santa_prop", f"santa_prop_sample<{ctype}, {s.head_dim}>",
                                            0, config)
@@ -124,8 +206,12 @@ class _PropPlan:
         # One scratch buffer: logits (f32, rows x n_pad), tile_m and tile_l (f32, rows x
         # n_tiles), C (f64, rows x n_tiles), iid points (f64, rows x (S + 1); iid only),
         # idx32 (i32, rows x S).
+        # Bernoulli scores add q_hat (f32, rows x D), the group's feature list (i32,
+        # B Hkv x D) and count (i32, B Hkv), and the feature fractions when not returned.
+        groups = s.batch * s.kv_heads
         sizes = (4 * rows * n_pad, 4 * rows * n_tiles, 4 * rows * n_tiles, 8 * rows * n_tiles,
-                 8 * rows * (S + 1) if sampler == "iid" else 8, 4 * rows * S)
+                 8 * rows * (S + 1) if sampler == "iid" else 8, 4 * rows * S,
+                 4 * rows * s.head_dim, 4 * groups * s.head_dim, 4 * groups, 4 * rows)
         offsets, total = [], 0
         for size in sizes:
             offsets.append(total)
@@ -133,31 +219,68 @@ class _PropPlan:
         self.offsets, self.scratch_bytes = tuple(offsets), total
         self.tail1 = (np.int32(s.kv_heads), np.int32(s.group), np.int64(s.tokens),
                       np.int64(chunk_len), np.int64(n_pad), np.float32(scale))
+        self.scale = scale
+        self.frac_shape = (s.batch, s.q_heads)
         self.tail_tiles = (np.int32(s.q_heads), np.int64(s.tokens), np.int64(n_pad),
                            np.int64(n_tiles), np.int32(ts))
         self.mid2 = (np.int32(s.q_heads), np.int32(s.group), np.int64(s.tokens), np.int64(n_pad),
                      np.int64(n_tiles), np.int32(ts), np.int32(S), np.int32(_SAMPLER_CODE[sampler]))
 
-    def run(self, inp, seq_lens, check_seq_lens, seed, offset, return_indices):
+    def run(self, inp, seq_lens, check_seq_lens, seed, offset, return_indices, kfm):
         ops = inp.ops
         s = self.shape
+        score = self.score
         with _inputs.device_scope(self.device):
             qp, kp, vp, lens, _keep, stream = _inputs.launch_args(inp, seq_lens, check_seq_lens, s,
                                                                   self.device)
             scratch = ops.empty(inp.q, (self.scratch_bytes,), "uint8")
             base = ops.ptr(scratch)
-            logits, tile_m, tile_l, C, iid, idx32 = (np.uint64(base + o) for o in self.offsets)
+            logits, tile_m, tile_l, C, iid, idx32, qhat, feat, nfeat, frac_slot = (
+                np.uint64(base + o) for o in self.offsets)
             out = ops.empty(inp.q, self.out_shape)
             outp = np.uint64(ops.ptr(out))
             indices = ops.empty(inp.q, self.idx_shape, "int64") if return_indices else None
             idxp = _inputs.NULL if indices is None else np.uint64(ops.ptr(indices))  # null: none
-            self.logits(self.grid1, (self.threads1,), (qp, kp, lens, logits) + self.tail1, stream)
+            frac = ops.empty(inp.q, self.frac_shape, "float32") if score.want_frac else None
+            if not score.bernoulli:
+                self.logits(self.grid1, (self.threads1,), (qp, kp, lens, logits) + self.tail1, stream)
+            else:
+                rng = (np.uint64(seed), np.uint32(offset))
+                fracp = np.uint64(ops.ptr(frac)) if frac is not None else frac_slot
+                self.qhat((s.kv_heads, s.batch), (_QHAT_THREADS,),
+                          (qp, qhat, feat, nfeat, fracp, np.int32(s.kv_heads), np.int32(s.group),
+                           np.int32(s.head_dim), np.int32(score.draws),
+                           np.int32(score.group_shared), np.float32(self.scale)) + rng, stream)
+                if kfm is None:
+                    self.logits(self.grid1, (self.threads1,), (qhat, kp, lens, logits) + self.tail1,
+                                stream)
+                else:
+                    self.logits_fm(self.grid_fm, (_FM_THREADS,),
+                                   (qhat, np.uint64(ops.ptr(kfm)), feat, nfeat, lens, logits,
+                                    np.int32(s.kv_heads), np.int32(s.group), np.int32(s.head_dim),
+                                    np.int64(s.tokens), np.int64(score.kfm_meta[1][-1]),
+                                    np.int64(self.fm_chunk_len), self.tail1[4]), stream)
             self.tiles(self.grid_tiles, (_TILE_THREADS,),
                        (logits, lens, tile_m, tile_l) + self.tail_tiles, stream)
             self.sample(self.grid2, (_SAMPLE_THREADS,),
                         (vp, lens, logits, tile_m, tile_l, C, iid, idx32, idxp, outp) + self.mid2
                         + (np.uint64(seed), np.uint32(offset)), stream)
-        return (out, indices) if return_indices else out
+        res = (out,) + ((indices,) if return_indices else ()) + ((frac,) if frac is not None else ())
+        return res if len(res) > 1 else out
+
+
+def _check_feature_major(meta, inp, s, device):
+    """The feature-major keys must be (B, Hkv, D, L) of k's dtype on k's device, L >= N and
+    a multiple of 8 (16-byte rows of 8 tokens)."""
+    dtype, shape, dev = meta
+    if dev != device:
+        raise ValueError(f"`k_feature_major` must be on the GPU of `k` ({device}), got {dev}")
+    if dtype != inp.ops.meta(inp.k)[0]:
+        raise TypeError(f"`k_feature_major` must have the dtype of `k`, got {dtype}")
+    want = (s.batch, s.kv_heads, s.head_dim)
+    if len(shape) != 4 or tuple(shape[:3]) != want or shape[3] < s.tokens or shape[3] % 8:
+        raise ValueError(f"`k_feature_major` must have shape {want + ('L',)} with L >= {s.tokens} "
+                         f"a multiple of 8, got {tuple(shape)}")
 
 
 def _align(nbytes: int, to: int = 256) -> int:

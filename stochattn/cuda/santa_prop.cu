@@ -32,6 +32,7 @@
 // differences); every point still gets a tile <= t_last and a positive-weight row in it.
 #include "decode_common.cuh"
 #include "philox.cuh"
+#include "bernoulli.cuh"
 
 using namespace stochattn;
 
@@ -70,9 +71,12 @@ __device__ __forceinline__ float warp_max(float x) {
 }
 
 // ---- 1. logits ----------------------------------------------------------------------
-template <typename T, int D, int GMAX>
+// QHAT = false: q (B, Hq, D) of type T, times `scale`. QHAT = true (the Bernoulli score
+// stage, bernoulli.cuh): q is bernoulli_qhat's fp32 q_hat, already scaled, and the 16-byte
+// pieces of K whose features no head of the group keeps are not read (zero-filled).
+template <typename T, int D, int GMAX, bool QHAT>
 __global__ void __launch_bounds__(kThreads)
-santa_prop_logits(const T* __restrict__ q, const T* __restrict__ k,
+santa_prop_logits(const void* __restrict__ qv, const T* __restrict__ k,
                   const int* __restrict__ seq_lens, float* __restrict__ logits,
                   int Hkv, int G, long long N, long long chunk_len, long long n_pad,
                   float scale) {
@@ -96,7 +100,17 @@ santa_prop_logits(const T* __restrict__ q, const T* __restrict__ k,
 
   unsigned char* smem = dynamic_smem();  // kStages * kStageBytes of K stages
   float qf[GMAX][8];
-  load_group_queries<T, D, GMAX>(q, head0, G, lr, scale, qf);
+  bool need = true;  // this thread's 8 features of K are read
+  if constexpr (QHAT) {
+    load_group_queries_f32<D, GMAX>(static_cast<const float*>(qv), head0, G, lr, qf);
+    need = false;
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) need = need || qf[g][e] != 0.f;
+  } else {
+    load_group_queries<T, D, GMAX>(static_cast<const T*>(qv), head0, G, lr, scale, qf);
+  }
 
   const unsigned char* kbase =
       reinterpret_cast<const unsigned char*>(k + ((long long)b * Hkv + kvh) * N * D);
@@ -104,7 +118,8 @@ santa_prop_logits(const T* __restrict__ q, const T* __restrict__ k,
 
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < ntiles) load_tile_async<D>(smem + s * kStageBytes, kbase, start + (long long)s * ROWS, end);
+    if (s < ntiles)
+      load_tile_async<D>(smem + s * kStageBytes, kbase, start + (long long)s * ROWS, end, need);
     cp_async_commit();
   }
 
@@ -115,7 +130,7 @@ santa_prop_logits(const T* __restrict__ q, const T* __restrict__ k,
     cp_async_wait<kStages - 2>();
     {
       const long long nx = it + kStages - 1;
-      if (nx < ntiles) load_tile_async<D>(smem + wr * kStageBytes, kbase, start + nx * ROWS, end);
+      if (nx < ntiles) load_tile_async<D>(smem + wr * kStageBytes, kbase, start + nx * ROWS, end, need);
       cp_async_commit();
     }
     const unsigned char* sk = smem + rd * kStageBytes;

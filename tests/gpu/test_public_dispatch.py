@@ -67,9 +67,22 @@ def test_santa_attention_flash_on_cupy_equals_the_kernel_with_waste():
     assert np.array_equal(diag.sample_waste, waste) and diag.sample_waste[1].tolist() == [0.0] * 8
 
 
+def test_santa_attention_bernoulli_dispatches_to_prop():
+    q, k, v = _inputs()
+    lens = np.array([300, 0], dtype=np.int32)
+    out, diag = stochattn.santa_attention(q, k, v, lens, budget=32, scores="bernoulli",
+                                          bernoulli_draws=3, seed=5, offset=2,
+                                          return_diagnostics=True)
+    direct, idx, frac = santa_prop(q, k, v, lens, budget=32, seed=5, offset=2, scores="bernoulli",
+                                   bernoulli_draws=3, return_indices=True,
+                                   return_feature_fraction=True)
+    assert bool((out == direct).all())
+    assert np.array_equal(diag.k_feature_fraction, cupy.asnumpy(frac).astype(np.float64))
+
+
 @pytest.mark.parametrize("kwargs, what", [
     (dict(schedule="global"), r"schedule='global'"),
-    (dict(scores="bernoulli"), r"the Bernoulli score stage"),
+    (dict(scores="bernoulli", schedule="flash"), r"the Bernoulli score stage with schedule='flash'"),
 ])
 def test_missing_gpu_paths_say_what_is_missing(kwargs, what):
     q, k, v = _inputs()

@@ -1,0 +1,97 @@
+"""Bernoulli qK^T scores on the GPU (bernoulli.cuh; the score stage of S²ANTA-prop)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import _validation as val
+from . import _inputs, _module, _sources
+from ._sources import group_max
+from .santa import _FM_THREADS, _FM_TOKENS_PER_PASS, _QHAT_THREADS, _check_feature_major, \
+    _feature_major_input
+
+__all__ = ["bernoulli_scores_gpu"]
+
+
+def bernoulli_scores_gpu(q, k, seq_lens=None, *, draws=4, group_shared=False, seed=0, offset=0,
+                         k_feature_major=None, check_seq_lens=False):
+    """Unbiased Bernoulli estimate of the unscaled scores q . k on the GPU.
+
+    The same kept features as :func:`stochattn.bernoulli.bernoulli_scores` (same random
+    stream, exact decision), the dot products in fp32.
+
+    Parameters
+    ----------
+    q : GPU array, shape (B, Hq, D), float16 or bfloat16
+    k : GPU array, shape (B, Hkv, N, D), dtype of ``q``
+    seq_lens : integer array, shape (B,), optional
+    draws, group_shared, seed, offset
+        As :func:`stochattn.bernoulli.bernoulli_scores`.
+    k_feature_major : GPU array, shape (B, Hkv, D, L), optional
+        The keys feature-major (L >= N, a multiple of 8): only kept feature rows are read.
+    check_seq_lens : bool
+        Check GPU ``seq_lens`` against [0, N] (a sync).
+
+    Returns
+    -------
+    s_hat : GPU array, shape (B, Hq, N), dtype of ``q``, caller's framework
+        -inf past ``seq_lens[b]``.
+    feature_fraction : GPU array of float32, shape (B, Hq)
+        Fraction of the D features each head reads.
+    """
+    seed, offset = val.check_seed_offset(seed, offset)
+    draws = val.check_positive_int("draws", draws)
+    group_shared = val.check_bool("group_shared", group_shared)
+    if draws >= 2**31 // 128:
+        raise ValueError(f"`draws` must be below {2**31 // 128}, got {draws}")
+    inp = _inputs.gather(q, k, k)
+    ops = inp.ops
+    s, _, device, dtype_name = _inputs.base_plan(inp, None)
+    if k_feature_major is not None:
+        k_feature_major = _feature_major_input(inp, k_feature_major)
+        _check_feature_major(ops.meta(k_feature_major), inp, s, device)
+    config = _sources.get_config()
+    ctype = _sources.CTYPES[dtype_name]
+    gm = group_max(s.group)
+    n_pad = math.ceil(s.tokens / 8) * 8
+    with _inputs.device_scope(device):
+        qp, kp, _, lens, _keep, stream = _inputs.launch_args(inp, seq_lens, check_seq_lens, s,
+                                                             device)
+        qhat = ops.empty(inp.q, (s.batch * s.q_heads * s.head_dim,), "float32")
+        feat = ops.empty(inp.q, (s.batch * s.kv_heads * s.head_dim,), "int32")
+        nfeat = ops.empty(inp.q, (s.batch * s.kv_heads,), "int32")
+        frac = ops.empty(inp.q, (s.batch, s.q_heads), "float32")
+        x = ops.empty(inp.q, (s.batch, s.q_heads, n_pad), "float32")
+        x.fill_(-math.inf) if ops is _inputs.TORCH else x.fill(-math.inf)
+        p = (np.uint64(ops.ptr(qhat)), np.uint64(ops.ptr(feat)), np.uint64(ops.ptr(nfeat)))
+        _module.launcher("santa_prop", f"bernoulli_qhat<{ctype}>", 0, config)(
+            (s.kv_heads, s.batch), (_QHAT_THREADS,),
+            (qp,) + p + (np.uint64(ops.ptr(frac)), np.int32(s.kv_heads), np.int32(s.group),
+                         np.int32(s.head_dim), np.int32(draws), np.int32(group_shared),
+                         np.float32(1.0), np.uint64(seed), np.uint32(offset)), stream)
+        if k_feature_major is None:
+            name = f"santa_prop_logits<{ctype}, {s.head_dim}, {gm}, true>"
+            smem = config.smem_bytes("santa_prop", s.head_dim, gm)
+            chunks, chunk_len = _module.split_tokens("santa_prop", name, smem, config,
+                                                     s.batch * s.kv_heads, s.tokens,
+                                                     config.tile_rows(s.head_dim))
+            _module.launcher("santa_prop", name, smem, config)(
+                (chunks, s.kv_heads, s.batch), (config.threads,),
+                (p[0], kp, lens, np.uint64(ops.ptr(x)), np.int32(s.kv_heads), np.int32(s.group),
+                 np.int64(s.tokens), np.int64(chunk_len), np.int64(n_pad), np.float32(1.0)), stream)
+        else:
+            name = f"bernoulli_logits_fm<{ctype}, {gm}>"
+            chunks, chunk_len = _module.split_tokens("santa_prop", name, 0, config,
+                                                     s.batch * s.kv_heads, s.tokens,
+                                                     _FM_TOKENS_PER_PASS)
+            _module.launcher("santa_prop", name, 0, config)(
+                (chunks, s.kv_heads, s.batch), (_FM_THREADS,),
+                (p[0], np.uint64(ops.ptr(k_feature_major)), p[1], p[2], lens, np.uint64(ops.ptr(x)),
+                 np.int32(s.kv_heads), np.int32(s.group), np.int32(s.head_dim), np.int64(s.tokens),
+                 np.int64(ops.meta(k_feature_major)[1][-1]), np.int64(chunk_len), np.int64(n_pad)),
+                stream)
+    x = x[..., :s.tokens]
+    out = x.to(inp.q.dtype) if ops is _inputs.TORCH else x.astype(inp.q.dtype)
+    return out, frac
