@@ -71,6 +71,15 @@ def test_tile_config_options_and_validation():
     assert cfg.smem_bytes("santa_prop", 128, 4) == 3 * 16384
     # the merge buffers dominate small pipelines: (2 + D) floats per warp and head
     assert _sources.TileConfig(4096, 2, 256).smem_bytes("exact_decode", 128, 8) == 130 * 8 * 8 * 4
+    # santa_flash: per warp, FLASH_WARP_STAGES stages of stage_bytes / warps, then logits,
+    # counts ([GMAX][tile] each, 4 bytes) and the row list ([tile], 4 bytes)
+    warps = 256 // 32
+    per_warp = _sources.FLASH_WARP_STAGES * 16384 // warps + 64 * (8 * 4 + 4)
+    assert cfg.smem_bytes("santa_flash", 128, 4, 64) == warps * per_warp
+    with pytest.raises(ValueError, match="tile_size"):
+        cfg.smem_bytes("santa_flash", 128, 4)
+    with pytest.raises(ValueError, match="warps"):
+        _sources.TileConfig(stage_bytes=32768, threads=128)  # 8 KB warp stages: 64 rows at D 64
     with pytest.raises(ValueError, match="reduce"):
         _sources.TileConfig(reduce="tree")
     with pytest.raises(ValueError, match="does not tile"):
