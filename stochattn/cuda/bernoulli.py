@@ -10,7 +10,7 @@ from .. import _validation as val
 from . import _inputs, _module, _sources
 from ._sources import group_max
 from .santa import _FM_THREADS, _FM_TOKENS_PER_PASS, _QHAT_THREADS, _check_feature_major, \
-    _feature_major_input
+    _feature_major_input, check_draws
 
 __all__ = ["bernoulli_scores_gpu"]
 
@@ -42,10 +42,8 @@ def bernoulli_scores_gpu(q, k, seq_lens=None, *, draws=4, group_shared=False, se
         Fraction of the D features each head reads.
     """
     seed, offset = val.check_seed_offset(seed, offset)
-    draws = val.check_positive_int("draws", draws)
+    draws = check_draws("draws", draws)
     group_shared = val.check_bool("group_shared", group_shared)
-    if draws >= 2**31 // 128:
-        raise ValueError(f"`draws` must be below {2**31 // 128}, got {draws}")
     inp = _inputs.gather(q, k, k)
     ops = inp.ops
     s, _, device, dtype_name = _inputs.base_plan(inp, None)

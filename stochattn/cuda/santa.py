@@ -115,9 +115,8 @@ def santa_prop(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_siz
     plan = _inputs.cached_plan(
         key, lambda: _PropPlan(inp, budget, sampler, tile_size, softmax_scale, num_chunks, config,
                                score))
-    res = plan.run(inp, seq_lens, check_seq_lens, seed, offset, bool(return_indices),
-                   k_feature_major)
-    return res
+    return plan.run(inp, seq_lens, check_seq_lens, seed, offset, bool(return_indices),
+                    k_feature_major)
 
 
 class _ScoreStage(NamedTuple):
@@ -132,15 +131,21 @@ class _ScoreStage(NamedTuple):
     @staticmethod
     def of(scores, draws, group_shared, kfm_meta, want_frac):
         val.check_choice("scores", scores, _SCORES)
-        draws = val.check_positive_int("bernoulli_draws", draws)
+        draws = check_draws("bernoulli_draws", draws)
         group_shared = val.check_bool("bernoulli_group_shared", group_shared)
         bern = scores == "bernoulli"
         if not bern and (kfm_meta is not None or want_frac):
             raise ValueError("`k_feature_major` and `return_feature_fraction` need "
                              "scores='bernoulli'")
-        if draws >= 2**31 // 128:
-            raise ValueError(f"`bernoulli_draws` must be below {2**31 // 128}, got {draws}")
         return _ScoreStage(bern, draws if bern else 0, group_shared and bern, kfm_meta, want_frac)
+
+
+def check_draws(name, draws) -> int:
+    """Bernoulli draws: a positive int whose draw counter i * D + j fits in 32 bits."""
+    draws = val.check_positive_int(name, draws)
+    if draws >= 2**31 // 128:
+        raise ValueError(f"`{name}` must be below {2**31 // 128}, got {draws}")
+    return draws
 
 
 def _feature_major_input(inp, kfm):
