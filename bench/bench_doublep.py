@@ -19,7 +19,8 @@ layout (copied once, untimed); the fastest exact baseline is the minimum over SD
 FlashInfer variants.
 
 Run: PYTHONPATH=. python3 bench/bench_doublep.py [--cases 8:131072,1:32768,32:32768]
-Writes bench/results/bench_doublep.json and prints a table.
+[--sample-budgets 64,256] [--out bench_doublep.json]
+Writes bench/results/<out> and prints a table.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ def main(argv=None):
     ap.add_argument("--iterations", type=int, default=10)
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--sample-budgets", default="64,256",
+                    help="budgets of the sampled variant at (0.95, 0.7) ('' for none)")
+    ap.add_argument("--out", default="bench_doublep.json", help="file name under bench/results")
     args = ap.parse_args(argv)
     import torch
     import torch.nn.functional as F
@@ -123,6 +127,19 @@ def main(argv=None):
                 true_mass=float(d.true_mass.mean()), true_mass_min=float(d.true_mass.min()),
                 k_rows_read_fraction=float(d.k_read_fraction.mean()),
                 rel_error=relative_error(out, exact_out))
+        # The sampled variant (unbiased for the p2 = 1 output) at (0.95, 0.7).
+        for S in (int(x) for x in args.sample_budgets.split(",") if x):
+            kw = dict(index=index, p1=0.95, p2=0.7, approx="sample", budget=S)
+            fn = lambda kw=kw: stochattn.doublep_attention(q, k, v, **kw)
+            us = time_steady(fn, timing)
+            out, d = stochattn.doublep_attention(q, k, v, return_diagnostics=True, **kw)
+            row["methods"][f"doublep-sample(0.95, 0.7, S={S})"] = dict(
+                us=us, speedup_vs_fastest=times[fastest] / us,
+                tokens_exact_fraction=float((d.tokens_exact / N).mean()),
+                true_mass=float(d.true_mass.mean()),
+                k_rows_read_fraction=float(d.k_read_fraction.mean()),
+                v_rows_read_fraction=float(d.v_read_fraction.mean()),
+                rel_error=relative_error(out, exact_out))
         # Fixed top-k clusters at the exact-cluster count of Double-P (0.95, 0.7).
         kc = max(1, int(round(row["methods"]["doublep(0.95, 0.7)"]["clusters_exact"])))
         fn = lambda: stochattn.cluster_topk_attention(q, k, v, index=index, clusters=kc)
@@ -138,7 +155,7 @@ def main(argv=None):
         buffers = q = k = v = index = index1 = exact_out = out = base = None  # free the GPU
         torch.cuda.empty_cache()
         os.makedirs(RESULTS, exist_ok=True)
-        with open(os.path.join(RESULTS, "bench_doublep.json"), "w") as f:
+        with open(os.path.join(RESULTS, args.out), "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
         print(_row_text(row), flush=True)
 
@@ -151,7 +168,9 @@ def _row_text(row) -> str:
     for name, m in row["methods"].items():
         extra = "".join(f" {key}={m[key]:.4g}" for key in ("tokens_exact_fraction", "clusters_selected",
                                                            "clusters_exact", "estimated_mass",
-                                                           "true_mass", "rel_error") if key in m)
+                                                           "true_mass", "k_rows_read_fraction",
+                                                           "v_rows_read_fraction", "rel_error")
+                        if key in m)
         lines.append(f"  {name}: {m['us']:.0f} us, {m['speedup_vs_fastest']:.2f}x vs "
                      f"{row['fastest_exact']}{extra}")
     return "\n".join(lines)

@@ -2,9 +2,9 @@
 durations, and print the host time of one call (enqueue only, on a cache too small for the
 GPU to be the bound).
 
-    ncu --clock-control none -k regex:"doublep_|exact_decode_merge" --launch-skip 8 \
+    ncu --clock-control none -k regex:"doublep_|exact_decode_merge|santa_prop" --launch-skip 8 \
         --launch-count 4 --section SpeedOfLight \
-        python3 bench/profile_doublep.py --batch 8 --tokens 131072
+        python3 bench/profile_doublep.py --batch 8 --tokens 131072 [--budget 64]
 
 Inputs as bench/bench_doublep.py (calibrated generator, one sequence copied over the batch,
 ``tokens / 32`` clusters); ``--iterations`` sets the k-means iterations of the index.
@@ -25,7 +25,12 @@ def main(argv=None):
     ap.add_argument("--iterations", type=int, default=2)
     ap.add_argument("--p1", type=float, default=0.95)
     ap.add_argument("--p2", type=float, default=0.7)
+    ap.add_argument("--budget", type=int, default=None,
+                    help="profile the sampled variant with this budget (7 launches a call)")
     args = ap.parse_args(argv)
+    kw = dict(p1=args.p1, p2=args.p2)
+    if args.budget is not None:
+        kw.update(approx="sample", budget=args.budget)
     import torch
 
     import stochattn
@@ -37,12 +42,12 @@ def main(argv=None):
     if args.batch > 1:
         index = DoublePIndex.stack([index] * args.batch)
     for _ in range(3):  # warm-up (plan, compile), then the profiled call
-        stochattn.doublep_attention(q, k, v, index=index, p1=args.p1, p2=args.p2)
+        stochattn.doublep_attention(q, k, v, index=index, **kw)
     torch.cuda.synchronize()
 
     qs, ks, vs = calibrated(1, 4096, "float16")
     small = stochattn.build_doublep_index(ks, vs, n_clusters=128, iterations=2)
-    call = lambda: stochattn.doublep_attention(qs, ks, vs, index=small, p1=args.p1, p2=args.p2)  # noqa: E731
+    call = lambda: stochattn.doublep_attention(qs, ks, vs, index=small, **kw)  # noqa: E731
     for _ in range(5):
         call()
     torch.cuda.synchronize()

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _validation as val
-from ._backend import backend_of, cuda_not_implemented
+from ._backend import backend_of
 from .diagnostics import Diagnostics
 from .reference import doublep as _ref
 from .reference import kmeans as _km
@@ -406,9 +406,10 @@ def doublep_attention(q, k, v, seq_lens=None, *, index, p1=0.95, p2=0.7, approx=
         Built from this cache by :func:`build_doublep_index`, kept current with
         :meth:`DoublePIndex.append`. GPU arrays (CuPy, torch CUDA; float16 or bfloat16,
         head_dim 64 or 128, GQA group <= 8) need a GPU index and run the kernels of
-        :mod:`stochattn.cuda.doublep` (``approx="centroid"`` only, for now): selections
-        as the reference's except where a cumulative mass lies within float32 rounding
-        of p1 or p2.
+        :mod:`stochattn.cuda.doublep`: selections as the reference's except where a
+        cumulative mass lies within float32 rounding of p1 or p2, and with
+        ``approx="sample"`` the reference's draws except within rounding of a CDF
+        boundary.
     p1, p2 : float in (0, 1]
         Stage 1 and stage 2 thresholds (paper: 0.95/0.7 for Llama-3.1-8B, 0.99/0.8 for
         Qwen3-8B). ``p1 = p2 = 1`` gives exact attention.
@@ -471,11 +472,10 @@ def doublep_attention(q, k, v, seq_lens=None, *, index, p1=0.95, p2=0.7, approx=
     sampler = val.check_choice("sampler", sampler, SAMPLERS)
     seed, offset = val.check_seed_offset(seed, offset)
     if on_gpu:
-        if approx == "sample":
-            raise cuda_not_implemented("doublep_attention", "approx='sample'; the GPU has "
-                                       "approx='centroid'")
+        sample = {} if approx == "centroid" else dict(budget=budget, sampler=sampler, seed=seed,
+                                                        offset=offset)
         return _decode_cuda("doublep_attention", q, k, v, seq_lens, index, softmax_scale,
-                            check_finite, return_diagnostics, p1=p1, p2=p2)
+                            check_finite, return_diagnostics, p1=p1, p2=p2, **sample)
     scale = val.check_scale(softmax_scale, shape.head_dim)
     lens = _check_index(index, shape, seq_lens)
     if check_finite:

@@ -219,8 +219,9 @@ def sample_estimate(q, k, v, index, p1, p2, budget, sampler, seed, plant=None, r
             n_e = n_p if p2 == 1 else min(int(np.searchsorted(cs, p2 * cs[-1])) + 1, n_p)
             exact = np.concatenate([base_tokens(index, b),
                                     cluster_tokens(index, b, kvh, ordered[:n_e])])
-            approx = np.concatenate([token_ids[b, kvh, offsets[b, kvh, c]:offsets[b, kvh, c + 1]]
-                                     for c in ordered[n_e:n_p]] + [np.zeros(0, dtype=np.int64)])
+            approx = np.sort(np.concatenate(  # C_approx's tokens in ascending position
+                [token_ids[b, kvh, offsets[b, kvh, c]:offsets[b, kvh, c + 1]]
+                 for c in ordered[n_e:n_p]] + [np.zeros(0, dtype=np.int64)]))
             x = scale * (k[b, kvh, :L] @ q[b, h])
             m = x.max()
             we, wa = np.exp(x[exact] - m), np.exp(x[approx] - m)

@@ -556,6 +556,7 @@ class FakeGPUArray:
 
 @pytest.mark.parametrize("fn, kwargs", [
     (doublep_attention, {}),
+    (doublep_attention, dict(approx="sample", budget=4)),
     (cluster_topk_attention, dict(clusters=2)),
 ])
 def test_decode_on_gpu_arrays_needs_a_gpu_index(fn, kwargs):
@@ -566,13 +567,6 @@ def test_decode_on_gpu_arrays_needs_a_gpu_index(fn, kwargs):
     host_index = build_doublep_index(k, k, n_clusters=2, n_sink=1, window=2)
     with pytest.raises(TypeError, match=r"`index` must be a GPU index to decode GPU arrays"):
         fn(gpu_array, gpu_array, gpu_array, index=host_index, **kwargs)
-
-
-def test_sampled_variant_on_gpu_arrays_is_not_implemented_yet():
-    gpu_array = FakeGPUArray()
-    with pytest.raises(NotImplementedError, match=r"`doublep_attention` has no CUDA kernel yet "
-                                                  r"\(approx='sample'"):
-        doublep_attention(gpu_array, gpu_array, gpu_array, index=None, approx="sample", budget=4)
 
 
 def test_gpu_build_without_cupy_names_the_extra(monkeypatch):

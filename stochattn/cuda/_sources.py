@@ -226,7 +226,8 @@ def name_expressions(family: str, dtypes=None) -> list:
             for d in HEAD_DIMS:
                 for gm in GROUP_MAXES:
                     names += [f"doublep_cluster_logits<{ctype}, {d}, {gm}>",
-                              f"doublep_attend<{ctype}, {d}, {gm}>",
+                              f"doublep_attend<{ctype}, {d}, {gm}, false>",
+                              f"doublep_attend<{ctype}, {d}, {gm}, true>",
                               f"doublep_true_mass<{ctype}, {d}, {gm}>"]
             names.append(f"exact_decode_merge<{ctype}>")  # included from exact_decode.cu
         else:
@@ -235,7 +236,8 @@ def name_expressions(family: str, dtypes=None) -> list:
         names.append("santa_prop_tiles")  # not a template: one kernel for every dtype
     if family == "doublep_decode":
         names += ["doublep_select", "doublep_select_sorted"]
-        names += [f"doublep_rows<{gm}>" for gm in GROUP_MAXES]
+        names += [f"doublep_rows<{gm}, {flag}>" for gm in GROUP_MAXES
+                  for flag in ("false", "true")]
     return names
 
 

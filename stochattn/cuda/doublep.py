@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import math
 import weakref
+from typing import NamedTuple
 
 import numpy as np
 
+from ..reference.rng import PURPOSE_CLUSTER_SAMPLER
 from . import _inputs, _module, _sources
 from ._arrays import ops_for
 from ._sources import group_max
+from .santa import _SAMPLE_THREADS, _SAMPLER_CODE, _TILE_THREADS, _TILE_LOGITS_PER_CTA
 
 __all__ = ["doublep_decode", "SORT_SELECT_MAX_CLUSTERS"]
 
@@ -44,14 +47,17 @@ _SLICE_TOKENS = 2048  # doublep_decode.cu: kSliceTokens
 _LIST_CAP = 1024  # doublep_decode.cu: kListCap
 _CLUSTERS_PER_LOGIT_CTA = 128
 _CLUSTERS_PER_ATTEND_CTA = 1024
+#: Sampling tile of the sampled variant's CDF (santa_prop_tiles / santa_prop_sample).
+_SAMPLE_TILE = 64
 _INDEX_FIELDS = (("centroids", "float32", 4), ("sizes", "int64", 3), ("value_sums", "float32", 4),
                  ("labels", "int32", 3), ("seq_lens", "int64", 1), ("window_start", "int64", 1))
 
 
-def doublep_decode(q, k, v, index, *, p1=1.0, p2=1.0, clusters=None, softmax_scale=None,
-                   return_diagnostics=False, num_chunks=None):
-    """One decode step of Double-P (centroid approximation) or, with ``clusters``, of fixed
-    top-k clusters, on the GPU.
+def doublep_decode(q, k, v, index, *, p1=1.0, p2=1.0, clusters=None, budget=None,
+                   sampler="systematic", seed=0, offset=0, softmax_scale=None,
+                   return_diagnostics=False, return_indices=False, num_chunks=None):
+    """One decode step of Double-P (centroid approximation, or with ``budget`` the sampled
+    variant) or, with ``clusters``, of fixed top-k clusters, on the GPU.
 
     Parameters
     ----------
@@ -64,30 +70,53 @@ def doublep_decode(q, k, v, index, *, p1=1.0, p2=1.0, clusters=None, softmax_sca
         Stage 1 and stage 2 thresholds (ignored with ``clusters``).
     clusters : int, optional
         Fixed top-k clusters: keep this many clusters per head, all exact.
+    budget : int, optional
+        The sampled variant (``approx="sample"``): ``budget`` draws per query head over the
+        exact weights of the C_approx tokens (in ascending position), as the reference.
+    sampler, seed, offset
+        The sampled variant's sampler and random stream (purpose PURPOSE_CLUSTER_SAMPLER).
     softmax_scale : float, optional
         Default ``1 / sqrt(D)``.
     return_diagnostics : bool
         Also return a dict of NumPy arrays (a host synchronisation): clusters_selected,
         clusters_exact, tokens_exact, estimated_mass, true_mass (B, Hq) and
         k_rows_read, v_rows_read (B, Hkv).
+    return_indices : bool
+        With ``budget``: also return the drawn rows (B, Hq, budget) int64, -1 for a head
+        without C_approx tokens (it draws nothing).
     num_chunks : int, optional
         Token chunks of the attention launch (tests and tuning); default fills the GPU.
 
     Returns
     -------
     out : GPU array (B, Hq, D), dtype of ``q``, in the caller's framework
+    indices : GPU array, only with ``return_indices``
     diagnostics : dict, only with ``return_diagnostics``
     """
     inp = _inputs.gather(q, k, v)
     ix = _IndexArrays.of(index)
     config = _sources.get_config()
     centroid = clusters is None
-    key = ("doublep", inp.key, ix.key, centroid, type(softmax_scale), softmax_scale,
+    if budget is not None and not centroid:
+        raise ValueError("`budget` (the sampled variant) and `clusters` (top-k) exclude each other")
+    if return_indices and budget is None:
+        raise ValueError("`return_indices` needs `budget` (only the sampled variant draws rows)")
+    sample = None if budget is None else _Sample(int(budget), sampler, _SAMPLE_TILE)
+    key = ("doublep", inp.key, ix.key, centroid, sample, type(softmax_scale), softmax_scale,
            type(num_chunks), num_chunks, config, SORT_SELECT_MAX_CLUSTERS)
     plan = _inputs.cached_plan(
-        key, lambda: _DoublePPlan(inp, ix, centroid, softmax_scale, num_chunks, config))
+        key, lambda: _DoublePPlan(inp, ix, centroid, softmax_scale, num_chunks, config, sample))
     return plan.run(inp, ix, int(index.n_sink), float(p1), float(p2),
-                    0 if clusters is None else int(clusters), bool(return_diagnostics))
+                    0 if clusters is None else int(clusters), bool(return_diagnostics),
+                    (int(seed), int(offset)), bool(return_indices))
+
+
+class _Sample(NamedTuple):
+    """The sampled variant's configuration (part of the plan key)."""
+
+    budget: int
+    sampler: str
+    tile_size: int
 
 
 class _IndexArrays:
@@ -164,7 +193,7 @@ class _IndexArrays:
 class _DoublePPlan:
     """Everything one configuration of :func:`doublep_decode` needs, resolved once."""
 
-    def __init__(self, inp, ix, centroid, softmax_scale, num_chunks, config):
+    def __init__(self, inp, ix, centroid, softmax_scale, num_chunks, config, sample):
         s, scale, self.device, dtype_name = _inputs.base_plan(inp, softmax_scale)
         num_chunks = _inputs.check_num_chunks(num_chunks)
         C, NL = ix.check(s, self.device)
@@ -189,11 +218,16 @@ class _DoublePPlan:
             else:
                 self.select = _module.launcher(fam, "doublep_select", 0, config)
                 self.select_threads = _SELECT_THREADS
-            self.rows = _module.launcher(fam, f"doublep_rows<{gm}>", 0, config)
-            name = f"doublep_attend<{ctype}, {D}, {gm}>"
-            smem = stage + _align(_LIST_CAP * 5, 16)
+            flag = "false" if sample is None else "true"
+            self.rows = _module.launcher(fam, f"doublep_rows<{gm}, {flag}>", 0, config)
+            name = f"doublep_attend<{ctype}, {D}, {gm}, {flag}>"
+            smem = stage + _align(_LIST_CAP * (5 if sample is None else 6), 16)
             self.attend = _module.launcher(fam, name, smem, config)
-            cl_chunks = math.ceil(C / _CLUSTERS_PER_ATTEND_CTA) if centroid else 0
+            cl_chunks = math.ceil(C / _CLUSTERS_PER_ATTEND_CTA) if centroid and not sample else 0
+            if sample is not None:
+                self.tiles = _module.launcher("santa_prop", "santa_prop_tiles", 0, config)
+                self.sample = _module.launcher("santa_prop", f"santa_prop_sample<{ctype}, {D}>",
+                                               0, config)
             if num_chunks is None:
                 # Two waves' worth of token CTAs (a token CTA takes an equal share of its
                 # row list, so its work does not depend on where the exact tokens lie; the
@@ -207,7 +241,8 @@ class _DoublePPlan:
             else:
                 tok_chunks = num_chunks
             self.list_off = stage
-            total = tok_chunks + cl_chunks
+            # Partials: the token CTAs', the cluster CTAs' (centroid) or the draws' (sample).
+            total = tok_chunks + cl_chunks + (sample is not None)
             self.merge = (_module.launcher(fam, f"exact_decode_merge<{ctype}>", 0, config)
                           if total > 1 else None)
             self.true_mass = _module.launcher(fam, f"doublep_true_mass<{ctype}, {D}, {gm}>", 0,
@@ -218,7 +253,7 @@ class _DoublePPlan:
         self.grid_logits = (math.ceil(C / _CLUSTERS_PER_LOGIT_CTA), s.kv_heads, s.batch)
         self.grid_select = (rows,)
         self.grid_rows = (self.slices, s.kv_heads, s.batch)
-        self.grid_attend = (total, s.kv_heads, s.batch)
+        self.grid_attend = (tok_chunks + cl_chunks, s.kv_heads, s.batch)
         self.merge_grid = (rows,)
         self.out_shape = (s.batch, s.q_heads, D)
         scale_log2 = np.float32(scale * math.log2(math.e))
@@ -229,6 +264,26 @@ class _DoublePPlan:
         list_len = pairs * self.slices * _SLICE_TOKENS
         sizes = (4 * rows * C, 8 * pairs * C, 4 * rows * total * D, 8 * rows * total,
                  4 * list_len, list_len, 4 * pairs * self.slices)
+        self.sample_cfg = sample
+        if sample is not None:
+            # The sampled variant's buffers: sampled-head masks (u8, like the list), the
+            # logit stash (f32, rows x n_pad), lengths (i32, B), tile_m and tile_l (f32,
+            # rows x n_tiles), the tile prefix (f64, rows x n_tiles), iid points (f64,
+            # rows x (S + 1); iid only) and the drawn rows (i32, rows x S).
+            S, ts = sample.budget, sample.tile_size
+            n_tiles = math.ceil(s.tokens / ts)
+            n_pad = n_tiles * ts
+            sizes += (list_len, 4 * rows * n_pad, 4 * s.batch, 4 * rows * n_tiles,
+                      4 * rows * n_tiles, 8 * rows * n_tiles,
+                      8 * rows * (S + 1) if sample.sampler == "iid" else 8, 4 * rows * S)
+            self.grid_tiles = (rows, math.ceil(n_pad / _TILE_LOGITS_PER_CTA))
+            self.tiles_tail = (np.int32(s.q_heads), np.int64(s.tokens), np.int64(n_pad),
+                               np.int64(n_tiles), np.int32(ts))
+            self.sample_mid = (np.int32(s.q_heads), np.int32(s.group), np.int64(s.tokens),
+                               np.int64(n_pad), np.int64(n_tiles), np.int32(ts), np.int32(S),
+                               np.int32(_SAMPLER_CODE[sample.sampler]))
+            self.n_pad = n_pad
+            self.idx_shape = (s.batch, s.q_heads, S)
         self.offsets, self.scratch_bytes = _layout(sizes)
         self.tail_logits = (np.int32(s.kv_heads), np.int32(s.group), np.int32(C),
                             np.int32(_CLUSTERS_PER_LOGIT_CTA), scale_log2)
@@ -242,20 +297,29 @@ class _DoublePPlan:
         self.NL = NL
         self.merge_tail = (np.int32(total), np.int32(D))
 
-    def run(self, inp, ix, n_sink, p1, p2, count, diagnostics):
+    def run(self, inp, ix, n_sink, p1, p2, count, diagnostics, rng, return_indices):
         ops = inp.ops
         s = self.shape
+        sample = self.sample_cfg
         with _inputs.device_scope(self.device):
             qp, kp, vp, _null, _keep, stream = _inputs.launch_args(inp, None, False, s, self.device)
-            (cent, sizes, vsums, labels, lens, ws), _held = ix.pointers()
+            (cent, sizes, vsums, labels, lens, ws), held = ix.pointers()
             out = ops.empty(inp.q, self.out_shape)
             outp = np.uint64(ops.ptr(out))
             scratch = ops.empty(inp.q, (self.scratch_bytes,), "uint8")
-            xb, codes, po, pml, rl, hm, cnt = (np.uint64(ops.ptr(scratch) + o) for o in self.offsets)
+            ptrs = tuple(np.uint64(ops.ptr(scratch) + o) for o in self.offsets)
+            xb, codes, po, pml, rl, hm, cnt = ptrs[:7]
             null = _inputs.NULL
+            if sample is not None:
+                am, stash, lens32, tile_m, tile_l, cdf, iid, idx32 = ptrs[7:]
+            else:
+                am = stash = lens32 = null
+            indices = None
+            if sample is not None and (return_indices or diagnostics):
+                indices = ops.empty(inp.q, self.idx_shape, "int64")
             if diagnostics:
                 rows = s.batch * s.q_heads
-                diag = ops.empty(inp.q, (_align(32 * rows) + 8 * s.batch * s.kv_heads,), "uint8")
+                diag = ops.empty(inp.q, (_align(32 * rows) + 16 * s.batch * s.kv_heads,), "uint8")
                 stats = np.uint64(ops.ptr(diag))
                 rows_read = np.uint64(ops.ptr(diag) + _align(32 * rows))
             else:
@@ -268,19 +332,37 @@ class _DoublePPlan:
             if self.sorted:
                 select_args += (np.int32(self.sort_p),)
             self.select(self.grid_select, (self.select_threads,), select_args, stream)
+            n_pad = np.int64(self.n_pad if sample is not None else 0)
             self.rows(self.grid_rows, (_ROW_THREADS,),
                       (lens, ws, labels, codes, rl, hm, cnt, rows_read) + self.rows_tail
-                      + (np.int32(n_sink), np.int32(self.slices)), stream)
+                      + (np.int32(n_sink), np.int32(self.slices), am, stash, n_pad, lens32), stream)
             self.attend(self.grid_attend, (self.threads,),
                         (qp, kp, vp, rl, hm, cnt, codes, xb, sizes, vsums, outp, po, pml)
-                        + self.attend_tail, stream)
+                        + self.attend_tail + (am, stash, n_pad), stream)
+            if sample is not None:
+                self.tiles(self.grid_tiles, (_TILE_THREADS,),
+                           (stash, lens32, tile_m, tile_l) + self.tiles_tail, stream)
+                idxp = null if indices is None else np.uint64(ops.ptr(indices))
+                self.sample((s.batch * s.q_heads,), (_SAMPLE_THREADS,),
+                            (vp, lens32, stash, tile_m, tile_l, cdf, iid, idx32, idxp, outp)
+                            + self.sample_mid
+                            + (np.uint64(rng[0]), np.uint32(rng[1]),
+                               np.uint32(PURPOSE_CLUSTER_SAMPLER), po, pml, np.int32(self.total),
+                               np.int32(self.total - 1)), stream)
             if self.merge is not None:
                 self.merge(self.merge_grid, (s.head_dim,), (po, pml, outp) + self.merge_tail, stream)
-            if not diagnostics:
-                return out
-            return out, self._diagnostics(inp, diag, codes, (lens, ws, labels), n_sink, stream)
+            res = (out,) + ((indices,) if return_indices else ())
+            if diagnostics:
+                extra = None
+                if sample is not None:
+                    c0 = self.offsets[1]
+                    extra = self._drawn_rows_outside_exact(
+                        ops, indices, scratch[c0:c0 + 8 * s.batch * s.kv_heads * self.C], held[3])
+                res += (self._diagnostics(inp, diag, codes, (lens, ws, labels), n_sink, stream,
+                                          extra),)
+            return res if len(res) > 1 else out
 
-    def _diagnostics(self, inp, diag, codes, lens_ws_labels, n_sink, stream):
+    def _diagnostics(self, inp, diag, codes, lens_ws_labels, n_sink, stream, drawn_extra):
         """The true-mass launch and the host copies (synchronises)."""
         ops = inp.ops
         s = self.shape
@@ -297,7 +379,8 @@ class _DoublePPlan:
         host = _to_host(ops, diag).view(np.uint8)
         stats = host[:32 * rows].view(np.float64).reshape(s.batch, s.q_heads, 4)
         off = _align(32 * rows)
-        read = host[off:off + 8 * s.batch * s.kv_heads].view(np.uint64).reshape(s.batch, s.kv_heads)
+        pairs = s.batch * s.kv_heads
+        read = host[off:off + 16 * pairs].view(np.uint64).reshape(2, s.batch, s.kv_heads)
         p = _to_host(ops, part).reshape(rows, tm_chunks, 3).astype(np.float64)
         M = p[..., 0].max(axis=1, keepdims=True)
         w = np.where(np.isfinite(p[..., 0]), np.exp2(p[..., 0] - np.where(np.isfinite(M), M, 0)), 0)
@@ -305,12 +388,35 @@ class _DoublePPlan:
         covered = (p[..., 2] * w).sum(axis=1)
         true = np.divide(covered, total, out=np.zeros_like(total), where=total > 0)
         read = read.astype(np.int64)
+        k_read = read[0]
+        if self.sample_cfg is None:
+            v_read = k_read.copy()  # every listed row is computed exactly: K and V read
+        else:
+            v_read = read[1] + drawn_extra
         return dict(clusters_selected=stats[..., 0].astype(np.int64),
                     clusters_exact=stats[..., 1].astype(np.int64),
                     tokens_exact=stats[..., 2].astype(np.int64),
                     estimated_mass=stats[..., 3].copy(),
                     true_mass=true.reshape(s.batch, s.q_heads),
-                    k_rows_read=read, v_rows_read=read.copy())
+                    k_rows_read=k_read, v_rows_read=v_read)
+
+    def _drawn_rows_outside_exact(self, ops, indices, codes, labels):
+        """Per (b, kv head): distinct drawn rows that no head of the group computes exactly
+        (a drawn row lies in a C_approx cluster of its head; another head may have the same
+        cluster in C_exact). Host arithmetic on copies of the draws, codes and labels."""
+        s = self.shape
+        G = s.group
+        drawn = _to_host(ops, indices).reshape(s.batch, s.kv_heads, G * self.sample_cfg.budget)
+        code = _to_host(ops, codes).reshape(s.batch, s.kv_heads, self.C, 8)[..., :G]
+        labels = _to_host(ops, labels)
+        extra = np.zeros((s.batch, s.kv_heads), dtype=np.int64)
+        for b in range(s.batch):
+            for kvh in range(s.kv_heads):
+                rows = np.unique(drawn[b, kvh])
+                rows = rows[rows >= 0]
+                exact = (code[b, kvh, labels[b, kvh, rows]] == 2).any(axis=1)
+                extra[b, kvh] = int((~exact).sum())
+        return extra
 
 
 def _to_host(ops, a) -> np.ndarray:

@@ -244,7 +244,7 @@ doublep_cluster_logits(const T* __restrict__ q, const float* __restrict__ centro
 // ---- 2. selection (stage 1 and stage 2) ----------------------------------------------
 
 // The query head of a selection CTA (row = b * Hq + h), its group and length; zeroes the
-// group's rows_read counter (once, from head 0) for doublep_rows to count into.
+// group's two rows_read counters (once, from head 0; 2 B Hkv entries) for doublep_rows.
 struct SelectRow {
   int row, b, g;
   long long pair, L;
@@ -257,7 +257,10 @@ struct SelectRow {
     g = h % G;
     pair = (long long)b * Hkv + h / G;
     L = clamp_len(lens, b, cap);
-    if (rows_read && g == 0 && threadIdx.x == 0) rows_read[pair] = 0;
+    if (rows_read && g == 0 && threadIdx.x == 0) {
+      rows_read[pair] = 0;
+      rows_read[gridDim.x / G + pair] = 0;  // the sampled variant's exact rows (B Hkv more)
+    }
   }
 };
 
@@ -265,7 +268,7 @@ struct SelectRow {
 // `count` clusters (counts != 0: only selection 0, every selected cluster exact).
 // stats (optional, (B Hq, 4) float64): |C_p|, |C_exact|, exact tokens (sinks + window +
 // tokens of C_exact), estimated mass of C_p (0 for an empty sequence, 1 without clusters).
-// rows_read (optional, B Hkv): zeroed here for doublep_rows to count into.
+// rows_read (optional, 2 B Hkv): zeroed here for doublep_rows to count into.
 __global__ void __launch_bounds__(kSelectThreads)
 doublep_select(const float* __restrict__ xb, const long long* __restrict__ sizes,
                const long long* __restrict__ lens, const long long* __restrict__ window_start,
@@ -716,18 +719,21 @@ doublep_select_sorted(const float* __restrict__ xb, const long long* __restrict_
 // ---- 3. attention over exact tokens and approximated clusters ------------------------
 
 // cp.async copies of this thread's pieces of list entries [i0, i0 + kTileRows): rows
-// `rows[i]` of one (b, kv head) stream; entries at or past `count` are zero-filled (the
-// same thread/piece layout as load_tile_async, so no CTA barrier is needed).
+// `rows[i]` of one (b, kv head) stream; entries at or past `count`, and entries whose
+// `need` byte is 0, are zero-filled (the same thread/piece layout as load_tile_async, so
+// no CTA barrier is needed).
 template <int D>
 __device__ __forceinline__ void load_rows_async(unsigned char* stage, const unsigned char* base,
-                                                const int* __restrict__ rows, int i0, int count) {
+                                                const int* __restrict__ rows, int i0, int count,
+                                                const unsigned char* need = nullptr) {
   using Tl = Tiling<D>;
   constexpr int kRowBytes = D * 2;
   const int lr = threadIdx.x % Tl::kLanesPerRow, rg = threadIdx.x / Tl::kLanesPerRow;
 #pragma unroll
   for (int p = 0; p < Tl::kRowsPerThread; ++p) {
     const int i = i0 + rg + p * Tl::kRowGroups;
-    const bool valid = i < count;
+    // `need` (optional, shared memory): entries whose byte is 0 are zero-filled, unread.
+    const bool valid = i < count && (need == nullptr || need[i] != 0);
     const unsigned char* src = valid ? base + (long long)rows[i] * kRowBytes + lr * 16 : base;
     cp_async16(stage + (rg + p * Tl::kRowGroups) * kRowBytes + lr * 16, src, valid);
   }
@@ -739,13 +745,20 @@ __device__ __forceinline__ void load_rows_async(unsigned char* stage, const unsi
 // whose code for its cluster is 2): row ids into rows[(pair * slices + slice) *
 // kSliceTokens + i], masks likewise, their number into counts[pair * slices + slice].
 // rows_read (optional, zeroed by the selection): the union's rows per (b, kv head).
-template <int GMAX>
+// SAMPLE (the sampled variant): the list also holds the middle tokens that some head
+// samples (code 1), with those heads' bits in amasks (hmasks keeps the exact heads); every
+// (head, token) of the sequence gets -inf in the logit stash (rows b * Hq + h, n_pad
+// columns; doublep_attend then writes the sampled ones); lens32[b] gets
+// the clamped length; rows_read[pairs + pair] (optional) counts the rows some head computes
+// exactly (rows_read[pair] all listed rows).
+template <int GMAX, bool SAMPLE>
 __global__ void __launch_bounds__(kRowThreads)
 doublep_rows(const long long* __restrict__ lens, const long long* __restrict__ window_start,
              const int* __restrict__ labels, const unsigned char* __restrict__ codes,
              int* __restrict__ rows, unsigned char* __restrict__ hmasks, int* __restrict__ counts,
              unsigned long long* __restrict__ rows_read, int Hkv, int G, long long cap,
-             long long NL, int C, int n_sink, int slices) {
+             long long NL, int C, int n_sink, int slices, unsigned char* __restrict__ amasks,
+             float* __restrict__ stash, long long n_pad, int* __restrict__ lens32) {
   constexpr int W = kRowThreads / 32;
   __shared__ int warp_counts[W];
   const int slice = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
@@ -768,14 +781,37 @@ doublep_rows(const long long* __restrict__ lens, const long long* __restrict__ w
 #pragma unroll
   for (int j = 0; j < kScanTokens; ++j)
     word[j] = (c[j] >= 0 && c[j] < C) ? codes_of(codes, pair, C, c[j]) : 0ull;
-  unsigned char masks[kScanTokens];
-  int mine = 0;
+  unsigned char masks[kScanTokens], amask[kScanTokens];
+  int mine = 0, mine_exact = 0;
 #pragma unroll
   for (int j = 0; j < kScanTokens; ++j) {
     const long long t = t0 + j;
-    const unsigned m = t >= L ? 0u : ((t < sinks || t >= ws) ? all : heads_with<GMAX>(word[j], G, 2u));
+    const bool middle = t < L && t >= sinks && t < ws;
+    const unsigned m = t >= L ? 0u : (middle ? heads_with<GMAX>(word[j], G, 2u) : all);
+    const unsigned a = SAMPLE && middle ? heads_with<GMAX>(word[j], G, 1u) : 0u;
     masks[j] = (unsigned char)m;
-    mine += m != 0;
+    amask[j] = (unsigned char)a;
+    mine += (m | a) != 0;
+    mine_exact += m != 0;
+  }
+  if constexpr (SAMPLE) {
+    // -inf for every (head, token) of the sequence: doublep_attend, which runs next,
+    // overwrites the sampled ones. 32-byte aligned float4 stores (t0 is a multiple of 8,
+    // n_pad of 64).
+    static_assert(kScanTokens == 8, "two float4 stores per head");
+    const long long head0 = (long long)b * Hkv * G + (long long)kvh * G;
+    const float4 ninf = make_float4(STOCHATTN_NEG_INF, STOCHATTN_NEG_INF, STOCHATTN_NEG_INF,
+                                    STOCHATTN_NEG_INF);
+    for (int g = 0; g < G; ++g) {
+      float* xs = stash + (head0 + g) * n_pad + t0;
+      if (t0 + kScanTokens <= L) {
+        reinterpret_cast<float4*>(xs)[0] = ninf;
+        reinterpret_cast<float4*>(xs)[1] = ninf;
+      } else {
+        for (int j = 0; j < kScanTokens && t0 + j < L; ++j) xs[j] = STOCHATTN_NEG_INF;
+      }
+    }
+    if (slice == 0 && kvh == 0 && tid == 0) lens32[b] = (int)L;
   }
   int incl = mine;  // inclusive warp scan of the per-thread counts
 #pragma unroll
@@ -794,15 +830,25 @@ doublep_rows(const long long* __restrict__ lens, const long long* __restrict__ w
   const long long base = (pair * slices + slice) * (long long)kSliceTokens;
 #pragma unroll
   for (int j = 0; j < kScanTokens; ++j) {
-    if (masks[j]) {
+    if (masks[j] | amask[j]) {
       rows[base + at] = (int)(t0 + j);
       hmasks[base + at] = masks[j];
+      if constexpr (SAMPLE) amasks[base + at] = amask[j];
       ++at;
     }
   }
   if (tid == 0) {
     counts[pair * slices + slice] = total;
     if (rows_read && total) atomicAdd(rows_read + pair, (unsigned long long)total);
+  }
+  if constexpr (SAMPLE) {
+    if (rows_read) {  // rows some head computes exactly (V rows read besides the draws)
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1)
+        mine_exact += __shfl_xor_sync(0xffffffffu, mine_exact, off);
+      if (lane == 0 && mine_exact)
+        atomicAdd(rows_read + (long long)gridDim.z * Hkv + pair, (unsigned long long)mine_exact);
+    }
   }
 }
 
@@ -893,14 +939,16 @@ __device__ __forceinline__ void attend_approx_clusters(
 }
 
 // Copy entries [b0, b0 + n) of the (b, kv head)'s row list (the slices of doublep_rows,
-// concatenated) into list / hmask in shared memory. Every warp walks the slice counts
+// concatenated) into list / hmask (and amask, when amasks is not null) in shared memory. Every warp walks the slice counts
 // (32 at a time, warp scan) and, for each slice that overlaps, the whole CTA copies the
 // overlap; the caller synchronises afterwards.
 __device__ __forceinline__ void stage_row_list(const int* __restrict__ rows,
                                                const unsigned char* __restrict__ hmasks,
                                                const int* __restrict__ counts, long long pair,
                                                int slices, int b0, int n, int* list,
-                                               unsigned char* hmask) {
+                                               unsigned char* hmask,
+                                               const unsigned char* __restrict__ amasks,
+                                               unsigned char* amask) {
   const int lane = threadIdx.x % 32;
   int pre = 0;  // entries in the slices before this group of 32
   for (int s0 = 0; s0 < slices && pre < b0 + n; s0 += 32) {
@@ -924,6 +972,7 @@ __device__ __forceinline__ void stage_row_list(const int* __restrict__ rows,
       for (int i = threadIdx.x; i < shi - slo; i += kThreads) {
         list[slo - b0 + i] = rows[base + i];
         hmask[slo - b0 + i] = hmasks[base + i];
+        if (amasks) amask[slo - b0 + i] = amasks[base + i];
       }
     }
     pre += __shfl_sync(0xffffffffu, incl, 31);
@@ -936,8 +985,13 @@ __device__ __forceinline__ void stage_row_list(const int* __restrict__ rows,
 // is read once; a head's logit is -inf on rows it does not need); cluster CTAs add the
 // C_approx clusters as pseudo-tokens. With a single chunk in all the CTA writes `out`
 // directly; otherwise partials. Dynamic shared memory: `list_off` bytes for the pipeline
-// (reused by the merge), then kListCap int32 row ids and kListCap head-mask bytes.
-template <typename T, int D, int GMAX>
+// (reused by the merge), then kListCap int32 row ids and kListCap head-mask bytes (and,
+// SAMPLE, kListCap sampled-head bytes).
+// SAMPLE (the sampled variant; no cluster CTAs): the list also holds rows that only some
+// heads sample (amasks); V is read only for rows some head computes exactly, and the
+// natural-log logit of every sampled (head, row) goes to the stash (rows b Hq + h, n_pad
+// columns) for santa_prop_tiles / santa_prop_sample.
+template <typename T, int D, int GMAX, bool SAMPLE>
 __global__ void __launch_bounds__(kThreads)
 doublep_attend(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                const int* __restrict__ rows, const unsigned char* __restrict__ hmasks,
@@ -946,7 +1000,8 @@ doublep_attend(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
                const float* __restrict__ value_sums, T* __restrict__ out,
                float* __restrict__ part_o, float* __restrict__ part_ml, int Hkv, int G,
                long long N, int C, int slices, int tok_chunks, int cl_per_chunk, int num_chunks,
-               int list_off, float scale_log2) {
+               int list_off, float scale_log2, const unsigned char* __restrict__ amasks,
+               float* __restrict__ stash, long long n_pad) {
   using Tl = Tiling<D>;
   constexpr int LPR = Tl::kLanesPerRow;
   constexpr int RPT = Tl::kRowsPerThread;
@@ -960,7 +1015,7 @@ doublep_attend(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
   const long long pair = (long long)b * Hkv + kvh;
   unsigned char* smem = dynamic_smem();
 
-  if (chunk >= tok_chunks) {
+  if (!SAMPLE && chunk >= tok_chunks) {
     const int c0 = (chunk - tok_chunks) * cl_per_chunk;
     attend_approx_clusters<T, D, GMAX>(xb, sizes, value_sums, codes, smem, pair, head0, G, C, c0,
                                        min(C, c0 + cl_per_chunk), part_o, part_ml, num_chunks,
@@ -988,6 +1043,7 @@ doublep_attend(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
 
   int* list = reinterpret_cast<int*>(smem + list_off);
   unsigned char* hmask = reinterpret_cast<unsigned char*>(list + kListCap);
+  unsigned char* amask = hmask + kListCap;  // SAMPLE only
   float qf[GMAX][8];
   load_group_queries<T, D, GMAX>(q, head0, G, lr, scale_log2, qf);
   const long long stream_off = pair * N * D;
@@ -1003,15 +1059,17 @@ doublep_attend(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
   }
   for (int b0 = lo; b0 < hi; b0 += kListCap) {
     const int count = min(kListCap, hi - b0);
-    stage_row_list(rows, hmasks, counts, pair, slices, b0, count, list, hmask);
+    stage_row_list(rows, hmasks, counts, pair, slices, b0, count, list, hmask,
+                   SAMPLE ? amasks : nullptr, amask);
     __syncthreads();
     const int ntiles = (count + ROWS - 1) / ROWS;
+    const unsigned char* vneed = SAMPLE ? hmask : nullptr;  // V of the exact rows only
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
       if (s < ntiles) {
         unsigned char* st = smem + s * 2 * kStageBytes;
         load_rows_async<D>(st, kbase, list, s * ROWS, count);
-        load_rows_async<D>(st + kStageBytes, vbase, list, s * ROWS, count);
+        load_rows_async<D>(st + kStageBytes, vbase, list, s * ROWS, count, vneed);
       }
       cp_async_commit();
     }
@@ -1023,7 +1081,7 @@ doublep_attend(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
         if (nx < ntiles) {
           unsigned char* st = smem + wr * 2 * kStageBytes;
           load_rows_async<D>(st, kbase, list, nx * ROWS, count);
-          load_rows_async<D>(st + kStageBytes, vbase, list, nx * ROWS, count);
+          load_rows_async<D>(st + kStageBytes, vbase, list, nx * ROWS, count, vneed);
         }
         cp_async_commit();
       }
@@ -1035,6 +1093,18 @@ doublep_attend(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
       float x[RPT * GMAX];
       group_partial_dots<T, D, GMAX>(sk, rg, lr, G, qf, x);
       row_group_sums<LPR>(x, lr);
+      if constexpr (SAMPLE) {
+        // Every lane of the row group holds every sum; lane g % LPR stashes head g's.
+#pragma unroll
+        for (int p = 0; p < RPT; ++p) {
+          const int i = it * ROWS + rg + p * RG;
+          const unsigned am = i < count ? amask[i] : 0u;
+#pragma unroll
+          for (int g = 0; g < GMAX; ++g)
+            if (((am >> g) & 1u) && lr == g % LPR)
+              stash[(head0 + g) * n_pad + list[i]] = x[p * GMAX + g] * 0.69314718055994531f;
+        }
+      }
       // A head sees only the rows it computes exactly; entries past `count` none.
 #pragma unroll
       for (int p = 0; p < RPT; ++p) {

@@ -8,6 +8,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import _validation as val
+from ..reference.rng import PURPOSE_VALUE_SAMPLER
 from ..reference.samplers import SAMPLERS
 from . import _inputs, _module, _sources
 from ._sources import group_max
@@ -16,9 +17,14 @@ __all__ = ["santa_prop", "TILE_SIZES"]
 
 _SAMPLE_THREADS = 256  # santa_prop.cu: kSampleThreads
 _TILE_THREADS = 256  # santa_prop.cu: kTileThreads
-_TILES_PER_CTA = (_TILE_THREADS // 32) * 4  # santa_prop.cu: kTileWarps * kTilesPerWarp
+# Logits per santa_prop_tiles CTA: kTileWarps * kTileChunks * kChunkLogits (santa_prop.cu).
+_TILE_LOGITS_PER_CTA = (_TILE_THREADS // 32) * 4 * 256
 _SAMPLER_CODE = {"systematic": 0, "stratified": 1, "iid": 2}  # philox.cuh: Sampler
 _SCORES = ("exact", "bernoulli")
+# santa_prop_sample's trailing arguments for SANTA's own output: purpose
+# PURPOSE_VALUE_SAMPLER, no partial (part_o, part_ml null, num_parts, part).
+_VALUE_STAGE_OUT = (np.uint32(PURPOSE_VALUE_SAMPLER), _inputs.NULL, _inputs.NULL, np.int32(0),
+                    np.int32(0))
 _QHAT_THREADS = 128  # bernoulli.cuh: kQhatThreads
 _FM_THREADS = 128  # bernoulli.cuh: kFmThreads
 _FM_TOKENS_PER_PASS = _FM_THREADS * 8  # bernoulli.cuh: kFmThreads * kFmTokens
@@ -204,7 +210,7 @@ class _PropPlan:
                                            0, config)
         self.chunks, self.chunk_len = chunks, chunk_len
         self.grid1 = (chunks, s.kv_heads, s.batch)
-        self.grid_tiles = (rows, math.ceil(n_tiles / _TILES_PER_CTA))
+        self.grid_tiles = (rows, math.ceil(n_pad / _TILE_LOGITS_PER_CTA))
         self.grid2 = (rows,)
         self.out_shape = (s.batch, s.q_heads, s.head_dim)
         self.idx_shape = (s.batch, s.q_heads, S)
@@ -269,7 +275,7 @@ class _PropPlan:
                        (logits, lens, tile_m, tile_l) + self.tail_tiles, stream)
             self.sample(self.grid2, (_SAMPLE_THREADS,),
                         (vp, lens, logits, tile_m, tile_l, C, iid, idx32, idxp, outp) + self.mid2
-                        + (np.uint64(seed), np.uint32(offset)), stream)
+                        + (np.uint64(seed), np.uint32(offset)) + _VALUE_STAGE_OUT, stream)
         res = (out,) + ((indices,) if return_indices else ()) + ((frac,) if frac is not None else ())
         return res if len(res) > 1 else out
 

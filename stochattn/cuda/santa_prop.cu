@@ -8,7 +8,7 @@
 //    decode's without V. The stash costs 4 G bytes per token against 2 D bytes of K (6% at
 //    G = 4, D = 128).
 // 2. santa_prop_tiles: m_t = max x and l_t = sum exp(x - m_t) per sampling tile of
-//    `tile_size` tokens and query head (fp32), one warp per tile.
+//    `tile_size` tokens and query head (fp32), 16-byte loads, a tile per lane segment.
 // 3. santa_prop_sample, one CTA per (b, query head):
 //    a. m* = max_t m_t; W_t = exp(m_t - m*) l_t and the prefix C_t in float64, Z = C_{T-1};
 //       t_last = last tile with W_t > 0.
@@ -35,40 +35,6 @@
 #include "bernoulli.cuh"
 
 using namespace stochattn;
-
-// ---- tile helpers --------------------------------------------------------------------
-// One warp handles one sampling tile: lane `lane` owns the rpl = tile_size / 32 (1..8)
-// consecutive rows [lane rpl, lane rpl + rpl).
-constexpr int kMaxTile = 256;  // largest tile_size (a power of two in [32, 256])
-
-// The lane's rpl logits of a tile starting at x (16-byte aligned rows: the stash rows and
-// tiles start at multiples of tile_size >= 32 floats); rows at or past n become -inf.
-__device__ __forceinline__ void load_tile_logits(const float* __restrict__ x, int rpl, int lane,
-                                                 int n, float (&xr)[8]) {
-  const float* p = x + lane * rpl;
-  if (rpl >= 4) {
-    const float4 a = *reinterpret_cast<const float4*>(p);
-    xr[0] = a.x; xr[1] = a.y; xr[2] = a.z; xr[3] = a.w;
-    if (rpl == 8) {
-      const float4 c = *reinterpret_cast<const float4*>(p + 4);
-      xr[4] = c.x; xr[5] = c.y; xr[6] = c.z; xr[7] = c.w;
-    }
-  } else if (rpl == 2) {
-    const float2 a = *reinterpret_cast<const float2*>(p);
-    xr[0] = a.x; xr[1] = a.y;
-  } else {
-    xr[0] = p[0];
-  }
-#pragma unroll
-  for (int i = 0; i < 8; ++i)
-    if (i >= rpl || lane * rpl + i >= n) xr[i] = STOCHATTN_NEG_INF;
-}
-
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
-  return x;
-}
 
 // ---- 1. logits ----------------------------------------------------------------------
 // QHAT = false: q (B, Hq, D) of type T, times `scale`. QHAT = true (the Bernoulli score
@@ -171,49 +137,71 @@ santa_prop_logits(const void* __restrict__ qv, const T* __restrict__ k,
 // ---- 2. tile statistics -------------------------------------------------------------
 constexpr int kTileThreads = 256;
 constexpr int kTileWarps = kTileThreads / 32;
-constexpr int kTilesPerWarp = 4;  // loads of 4 tiles in flight per warp
+constexpr int kTileChunks = 4;  // 256-logit chunks per warp, all loads issued first
+constexpr int kChunkLogits = 32 * 8;  // a lane reads 8 consecutive logits (two 16-byte loads)
 
-// m_t = max x and l_t = sum exp(x - m_t) (fp32, a warp tree) of every tile of the
-// sequence, one warp per tile. Grid (rows, ceil(n_tiles / (kTileWarps * kTilesPerWarp))).
+// Max (xor-butterfly) and sum over aligned segments of W lanes (W a power of two <= 32).
+__device__ __forceinline__ float segment_max(float x, int W) {
+  for (int off = W / 2; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
+  return x;
+}
+__device__ __forceinline__ float segment_sum(float x, int W) {
+  for (int off = W / 2; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
+// m_t = max x and l_t = sum exp(x - m_t) (fp32) of every tile of the sequence. A warp
+// covers kTileChunks chunks of 256 consecutive logits: lane `lane` reads logits
+// [8 lane, 8 lane + 8) of each (16-byte loads, all issued before any is used), a tile is
+// an aligned segment of tile_size / 8 lanes, reduced by xor shuffles inside the segment.
+// Logits at or past the sequence length count as -inf; a tile whose logits are all -inf
+// (Double-P's sampled variant stashes -inf for the tokens a head does not sample) gets
+// m = -inf, l = 0. Grid (rows, ceil(n_pad / (kTileWarps * kTileChunks * 256))).
 __global__ void __launch_bounds__(kTileThreads)
 santa_prop_tiles(const float* __restrict__ logits, const int* __restrict__ seq_lens,
                  float* __restrict__ tile_m, float* __restrict__ tile_l, int Hq, long long N,
                  long long n_pad, long long n_tiles, int tile_size) {
   const long long row = blockIdx.x;  // b * Hq + h
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const long long t0 = ((long long)blockIdx.y * kTileWarps + warp) * kTilesPerWarp;
   const int b = (int)(row / Hq);
-  const long long len = sequence_length(seq_lens, b, N);
-  const long long T_b = (len + tile_size - 1) / tile_size;  // tiles past it are never read
-  const int rpl = tile_size / 32;
-  float xr[kTilesPerWarp][8];
+  const long long len = sequence_length(seq_lens, b, N);  // tiles past it are never read
+  const long long x0 = ((long long)blockIdx.y * kTileWarps + warp) * kTileChunks * kChunkLogits;
+  const float* xrow = logits + row * n_pad;
+  float xr[kTileChunks][8];
 #pragma unroll
-  for (int i = 0; i < kTilesPerWarp; ++i) {
-    const long long t = t0 + i;
-    if (t < T_b) {
-      const long long tok0 = t * tile_size;
-      load_tile_logits(logits + row * n_pad + tok0, rpl, lane,
-                       (int)min((long long)tile_size, len - tok0), xr[i]);
+  for (int c = 0; c < kTileChunks; ++c) {
+    const long long at = x0 + c * kChunkLogits + lane * 8;  // a multiple of 8: whole float4s
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const long long a = at + 4 * h;
+      // n_pad is a multiple of tile_size >= 32: a float4 is wholly inside the row or not.
+      const float4 u = a < len ? *reinterpret_cast<const float4*>(xrow + a)
+                               : make_float4(0.f, 0.f, 0.f, 0.f);
+      xr[c][4 * h] = u.x; xr[c][4 * h + 1] = u.y; xr[c][4 * h + 2] = u.z; xr[c][4 * h + 3] = u.w;
     }
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      if (at + e >= len) xr[c][e] = STOCHATTN_NEG_INF;
   }
+  const int W = tile_size / 8;  // lanes per tile: 4 .. 32
 #pragma unroll
-  for (int i = 0; i < kTilesPerWarp; ++i) {
-    const long long t = t0 + i;
-    if (t < T_b) {  // uniform over the warp
-      float m = STOCHATTN_NEG_INF;
+  for (int c = 0; c < kTileChunks; ++c) {
+    const long long c0 = x0 + c * kChunkLogits;
+    if (c0 >= len) break;  // uniform over the warp
+    float m = STOCHATTN_NEG_INF;
 #pragma unroll
-      for (int e = 0; e < 8; ++e) m = fmaxf(m, xr[i][e]);
-      m = warp_max(m);  // finite: the tile's first row is in the sequence
-      float l = 0.f;
+    for (int e = 0; e < 8; ++e) m = fmaxf(m, xr[c][e]);
+    m = segment_max(m, W);
+    const float mm = m == STOCHATTN_NEG_INF ? 0.f : m;  // all -inf: l = 0, not NaN
+    float l = 0.f;
 #pragma unroll
-      for (int e = 0; e < 8; ++e)
-        if (e < rpl) l += expf(xr[i][e] - m);  // exp(-inf) = 0; each <= 1
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
-      if (lane == 0) {
-        tile_m[row * n_tiles + t] = m;
-        tile_l[row * n_tiles + t] = l;  // >= 1: the max row contributes exp(0)
-      }
+    for (int e = 0; e < 8; ++e) l += expf(xr[c][e] - mm);  // exp(-inf) = 0; each <= 1
+    l = segment_sum(l, W);
+    const long long tok0 = c0 + (long long)(lane / W) * tile_size;
+    if (lane % W == 0 && tok0 < len) {
+      const long long t = tok0 / tile_size;
+      tile_m[row * n_tiles + t] = m;
+      tile_l[row * n_tiles + t] = l;  // >= 1 (the max row contributes exp(0)) or 0
     }
   }
 }
@@ -285,6 +273,27 @@ __device__ double block_exclusive_sum(double x, double* sm) {
   return r;
 }
 
+// A partial of no mass for exact_decode_merge (zero output, max -inf, sum 0), and no draws
+// (indices -1). Called by the whole block.
+__device__ __forceinline__ void write_empty_part(float* __restrict__ part_o,
+                                                 float* __restrict__ part_ml, long long row,
+                                                 int num_parts, int part, int D, int S,
+                                                 long long* __restrict__ idx_out) {
+  const long long at = row * num_parts + part;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) part_o[at * D + d] = 0.f;
+  if (threadIdx.x == 0) {
+    part_ml[at * 2] = STOCHATTN_NEG_INF;
+    part_ml[at * 2 + 1] = 0.f;
+  }
+  if (idx_out)
+    for (int m = threadIdx.x; m < S; m += blockDim.x) idx_out[row * S + m] = -1;
+}
+
+// One CTA per (b, query head) row. With `part_o` null: writes out[row] = (1/S) sum v[J].
+// With `part_o` (Double-P's sampled variant, logits of unsampled tokens -inf): writes the
+// mean and (m* log2 e, Z) as partial `part` of `num_parts` for exact_decode_merge, and a
+// row without mass gets an empty partial and indices -1. `purpose`: the random stream's
+// purpose (philox.cuh).
 template <typename T, int D>
 __global__ void __launch_bounds__(kSampleThreads)
 santa_prop_sample(const T* __restrict__ v, const int* __restrict__ seq_lens,
@@ -294,7 +303,9 @@ santa_prop_sample(const T* __restrict__ v, const int* __restrict__ seq_lens,
                   long long* __restrict__ idx_out,
                   T* __restrict__ out, int Hq, int G, long long N, long long n_pad,
                   long long n_tiles, int tile_size, int S, int sampler,
-                  unsigned long long seed, unsigned offset) {
+                  unsigned long long seed, unsigned offset, unsigned purpose,
+                  float* __restrict__ part_o, float* __restrict__ part_ml, int num_parts,
+                  int part) {
   __shared__ double sm_d[kSampleWarps + 1];
   __shared__ int sm_i[kSampleWarps + 1];
   __shared__ float sm_f[kSampleWarps + 1];
@@ -310,9 +321,13 @@ santa_prop_sample(const T* __restrict__ v, const int* __restrict__ seq_lens,
   int* ids = idx32 + row * S;
 
   if (len == 0) {  // empty sequence: zero output; indices 0 as the reference
-    for (int d = tid; d < D; d += kSampleThreads) orow[d] = Elem<T>::from_float(0.f);
-    if (idx_out)
-      for (int m = tid; m < S; m += kSampleThreads) idx_out[row * S + m] = 0;
+    if (part_o) {
+      write_empty_part(part_o, part_ml, row, num_parts, part, D, S, idx_out);
+    } else {
+      for (int d = tid; d < D; d += kSampleThreads) orow[d] = Elem<T>::from_float(0.f);
+      if (idx_out)
+        for (int m = tid; m < S; m += kSampleThreads) idx_out[row * S + m] = 0;
+    }
     return;
   }
   const int T_b = (int)((len + tile_size - 1) / tile_size);
@@ -327,6 +342,10 @@ santa_prop_sample(const T* __restrict__ v, const int* __restrict__ seq_lens,
   if (tid == kSampleThreads - 1) sm_f[kSampleWarps] = mxl;
   __syncthreads();
   const double mstar = (double)sm_f[kSampleWarps];
+  if (sm_f[kSampleWarps] == STOCHATTN_NEG_INF) {  // every row masked out (only with a partial output): no mass
+    write_empty_part(part_o, part_ml, row, num_parts, part, D, S, idx_out);
+    return;
+  }
 
   const int seg = (T_b + kSampleThreads - 1) / kSampleThreads;
   const int t0 = min(tid * seg, T_b), t1 = min(t0 + seg, T_b);
@@ -351,7 +370,7 @@ santa_prop_sample(const T* __restrict__ v, const int* __restrict__ seq_lens,
   Points P;
   P.sampler = sampler;
   P.S = S;
-  P.rs = RngStream::make(seed, offset, PURPOSE_VALUE_SAMPLER, (unsigned)row);
+  P.rs = RngStream::make(seed, offset, purpose, (unsigned)row);
   P.u = (double)P.rs.uniform(0u, 0u);
   P.iid = iid_points + row * (long long)(S + 1);
   if (sampler == SAMPLER_IID) {
@@ -414,7 +433,7 @@ santa_prop_sample(const T* __restrict__ v, const int* __restrict__ seq_lens,
     const float* x = xrow + tok0;
     // First row whose cumsum exceeds the target; a target at or past the tile's mass
     // (rounding: l_t is an fp32 sum) takes the last positive-weight row, as the reference.
-    int r = -1, lastp = 0;
+    int r = -1, lastp = -1;
     double cum = 0.0;
     for (int j = 0; j < n; ++j) {
       const float w = expf(x[j] - mt);  // <= 1: x <= m_t
@@ -425,7 +444,7 @@ santa_prop_sample(const T* __restrict__ v, const int* __restrict__ seq_lens,
         break;
       }
     }
-    const int J = (int)tok0 + (r >= 0 ? r : lastp);
+    const int J = (int)tok0 + (r >= 0 ? r : max(lastp, 0));
     ids[m] = J;
     if (idx_out) idx_out[row * S + m] = J;
   }
@@ -462,6 +481,13 @@ santa_prop_sample(const T* __restrict__ v, const int* __restrict__ seq_lens,
   for (int d = tid; d < D; d += kSampleThreads) {
     float s = 0.f;
     for (int g2 = 0; g2 < GROUPS; ++g2) s += red[g2 * D + d];  // fixed order
-    orow[d] = Elem<T>::from_float(s / (float)S);
+    if (part_o)
+      part_o[(row * num_parts + part) * D + d] = s / (float)S;
+    else
+      orow[d] = Elem<T>::from_float(s / (float)S);
+  }
+  if (part_o && tid == 0) {  // (max, sum) in exact_decode_merge's log2 domain
+    part_ml[(row * num_parts + part) * 2] = (float)(mstar * 1.4426950408889634);
+    part_ml[(row * num_parts + part) * 2 + 1] = (float)Z;
   }
 }

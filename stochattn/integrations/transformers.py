@@ -39,8 +39,7 @@ prefill uses ``seed`` and ``offset = (t * n_layers + l) mod 2**32``.
 compiled decode forward (transformers' generate compiles one by itself with a StaticCache
 on a GPU) the estimator runs eagerly between the compiled pieces. Not supported (errors
 say so): dropout in decode, logit soft-capping, attention sinks (``s_aux``), position
-biases. Double-P's sampled variant (``approx="sample"``) on CUDA tensors raises
-``NotImplementedError`` until its kernel exists (``approx="centroid"`` runs on the GPU). Importing this module imports neither PyTorch nor transformers;
+biases. Importing this module imports neither PyTorch nor transformers;
 :func:`register` does.
 """
 
@@ -211,14 +210,13 @@ class DecodeAttention:
                                    offset=offset, softmax_scale=scale)
         # Double-P: the index grows with every decoded token (or is built here if the
         # prefill did not go through this attention).
-        with _doublep_context():
-            if state.index is None:
-                state.index = self._build_index(k, v, lens)
-            else:
-                state.index.append(k, v, lens)
-            return doublep_attention(q, k, v, lens, index=state.index, p1=c.p1, p2=c.p2,
-                                     approx=c.approx, budget=c.budget, sampler=c.sampler,
-                                     seed=c.seed, offset=offset, softmax_scale=scale)
+        if state.index is None:
+            state.index = self._build_index(k, v, lens)
+        else:
+            state.index.append(k, v, lens)
+        return doublep_attention(q, k, v, lens, index=state.index, p1=c.p1, p2=c.p2,
+                                 approx=c.approx, budget=c.budget, sampler=c.sampler,
+                                 seed=c.seed, offset=offset, softmax_scale=scale)
 
     def _build_index(self, k, v, lens):
         """Double-P index of a cache: torch tensors (CUDA: the GPU build) or, for CPU
@@ -229,10 +227,9 @@ class DecodeAttention:
         tokens = int(k.shape[2])
         longest = tokens if lens is None else int(lens.max())  # a sync on the GPU, once
         c = self.config
-        with _doublep_context():
-            return build_doublep_index(k, v, lens, n_clusters=default_clusters(c, longest, tokens),
-                                       iterations=c.iterations, n_sink=c.n_sink,
-                                       window=c.window, seed=c.seed)
+        return build_doublep_index(k, v, lens, n_clusters=default_clusters(c, longest, tokens),
+                                   iterations=c.iterations, n_sink=c.n_sink, window=c.window,
+                                   seed=c.seed)
 
     # ---- sequence lengths from the mask ---------------------------------------------------
 
@@ -291,22 +288,6 @@ class DecodeAttention:
             lens = lens.expand(batch).contiguous()
         self._mask_memo = (weakref.ref(mask), (batch, n_keys), lens)
         return lens
-
-
-class _doublep_context:
-    """Re-raise a missing GPU kernel of Double-P with what it means for the integration."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is NotImplementedError:
-            raise NotImplementedError(
-                f"{exc}. estimator='doublep' on CUDA tensors runs approx='centroid' on the GPU; "
-                "the sampled variant has no GPU kernel yet (a model on the CPU runs the NumPy "
-                "reference of both)"
-            ) from exc
-        return False
 
 
 def _host(t):

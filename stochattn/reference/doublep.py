@@ -17,12 +17,15 @@ Per query head h (KV head h // G) of sequence b, with scale s and the index of
 - ``approx="centroid"``: each C_approx cluster enters as one pseudo-token of logit
   ``xbar_i`` and value ``Vbar_i``; the output is the softmax mix over E and those
   pseudo-tokens, shifted by their common max.
-- ``approx="sample"``: the tokens of C_approx (clusters in selection order, positions
-  ascending inside a cluster) get exact logits; ``budget`` points of the chosen sampler
-  (purpose PURPOSE_CLUSTER_SAMPLER, row b * Hq + h, stream 0) pick rows J by inverse CDF
-  over their weights, and ``Z_A * mean(v_J)`` replaces ``sum_A e^x v``. The denominator
-  is exact, so the estimate is unbiased for the attention restricted to sinks + window +
-  all tokens of C_p (the p2 = 1 output), whatever the budget.
+- ``approx="sample"``: the tokens of C_approx, in ascending position, get exact logits;
+  ``budget`` points of the chosen sampler (purpose PURPOSE_CLUSTER_SAMPLER, row
+  b * Hq + h, stream 0) pick rows J by inverse CDF over their weights in that order, and
+  ``Z_A * mean(v_J)`` replaces ``sum_A e^x v``. The denominator is exact, so the estimate
+  is unbiased for the attention restricted to sinks + window + all tokens of C_p (the
+  p2 = 1 output), whatever the budget. Position order (not cluster order) is the order
+  the GPU walks the cache in (the keys are not regrouped by cluster there); any fixed
+  order is unbiased, and the stratified and systematic samplers then stratify along the
+  sequence, as SANTA does.
 """
 
 from __future__ import annotations
@@ -149,6 +152,7 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
         rows = np.arange(B * Hq, dtype=np.int64).reshape(B, Hq)  # row = b * Hq + h
         points = sample_points(sampler, budget, seed=seed, offset=offset, row=rows, stream=0,
                                purpose=PURPOSE_CLUSTER_SAMPLER)  # (B, Hq, budget)
+        diag["sample_indices"] = np.full((B, Hq, budget), -1, dtype=np.int64)  # -1: no draw
     value_means = index.value_means  # VS_i / s_i, 0 for empty clusters
     for b, kvh, L, base, K, V, offsets, token_ids in _heads(q, k, v, lens, index):
         sizes = index.sizes[b, kvh]
@@ -171,7 +175,7 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
                 v_extra = np.zeros(0, dtype=np.int64)
                 k_extra = np.zeros(0, dtype=np.int64)
             else:
-                approx_tokens = _tokens_of(approx_ids, offsets, token_ids)
+                approx_tokens = np.sort(_tokens_of(approx_ids, offsets, token_ids))
                 xa = x[approx_tokens]
                 m = max(xe.max(initial=-np.inf), xa.max(initial=-np.inf))
                 we, wa = np.exp(xe - m), np.exp(xa - m)
@@ -182,6 +186,7 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
                 if approx_tokens.size:
                     z_a = wa.sum()  # exact mass of C_approx (shifted by m)
                     picks = approx_tokens[invert_cdf(wa, points[b, h])]
+                    diag["sample_indices"][b, h] = picks
                     # Unbiased: E[mean v_J] = sum_A (w_j / Z_A) v_j; the denominator is exact.
                     num = num + z_a * V[picks].mean(axis=0)
                     den = den + z_a

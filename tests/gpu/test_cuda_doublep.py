@@ -210,12 +210,6 @@ def test_decode_follows_the_index_as_it_grows():
     compare(qd, kd, vd, host, np.array([1100]), index)
 
 
-def test_sample_variant_is_reference_only_for_now():
-    dev, _, _, index = setup(1, 1, 2, 300, 64, [300], C=8)
-    with pytest.raises(NotImplementedError, match=r"approx='sample'"):
-        stochattn.doublep_attention(*dev, index=index, approx="sample", budget=8)
-
-
 def test_host_index_with_gpu_arrays_is_rejected():
     dev, host, lens, index = setup(1, 1, 2, 300, 64, [300], C=8)
     with pytest.raises(TypeError, match=r"`index` must be a GPU index"):

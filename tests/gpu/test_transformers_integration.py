@@ -12,8 +12,8 @@ CUDA GPU (the kernels, zero copy); the whole file needs PyTorch and transformers
 - on the GPU the kernels read the cache tensors in place: the pointers they get are the
   data pointers of the DynamicCache / StaticCache tensors;
 - lengths come from the mask (StaticCache: the filled prefix), left padding is rejected,
-  Double-P's index is built at prefill and grows with each token (on the GPU too), and
-  its sampled variant on CUDA tensors raises NotImplementedError until its kernel exists.
+  Double-P's index is built at prefill and grows with each token (on the GPU too, with
+  either approximation of C_approx).
 """
 
 from __future__ import annotations
@@ -314,19 +314,11 @@ def test_doublep_index_is_built_at_prefill_and_grows():
 
 
 @pytest.mark.gpu
-def test_doublep_sampled_variant_on_cuda_raises_not_implemented():
+@pytest.mark.parametrize("approx", [dict(approx="centroid"), dict(approx="sample", budget=16)])
+def test_doublep_on_cuda_generates_and_grows_its_gpu_index(approx):
     model, ids = _tiny("cuda", torch.float16)
-    register(NAME, estimator="doublep", approx="sample", budget=16)
-    model.set_attn_implementation(NAME)
-    with torch.no_grad(), pytest.raises(NotImplementedError,
-                                        match=r"has no CUDA kernel yet.*sampled variant has no GPU"):
-        model.generate(ids, max_new_tokens=2, do_sample=False)
-
-
-@pytest.mark.gpu
-def test_doublep_on_cuda_generates_and_grows_its_gpu_index():
-    model, ids = _tiny("cuda", torch.float16)
-    attn = register(NAME, estimator="doublep", p1=0.95, p2=0.7, n_clusters=8, window=16)
+    attn = register(NAME, estimator="doublep", p1=0.95, p2=0.7, n_clusters=8, window=16,
+                    **approx)
     model.set_attn_implementation(NAME)
     layers = [layer.self_attn for layer in model.model.layers]
     new, _ = _generate(model, ids, NAME, new=5)
