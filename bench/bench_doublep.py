@@ -113,51 +113,48 @@ def main(argv=None):
         row = dict(batch=B, context=N, clusters=C, build_ms=build_ms, floor_kv_us=floor_us,
                    fastest_exact=fastest,
                    fastest_exact_us=times[fastest], baselines_us=times, methods={}, notes=notes)
+        def measure(fn, *stats, **kw):
+            """Time fn(q, k, v, index=index, **kw); summarise one call with diagnostics."""
+            us = time_steady(lambda: fn(q, k, v, index=index, **kw), timing)
+            out, d = fn(q, k, v, index=index, return_diagnostics=True, **kw)
+            res = dict(us=us, speedup_vs_fastest=times[fastest] / us,
+                       tokens_exact_fraction=float((d.tokens_exact / N).mean()),
+                       true_mass=float(d.true_mass.mean()),
+                       rel_error=relative_error(out, exact_out))
+            res.update({name: _STATS[name](d) for name in stats})
+            return res
+
         for p1, p2 in SETTINGS:
-            fn = lambda p1=p1, p2=p2: stochattn.doublep_attention(q, k, v, index=index, p1=p1, p2=p2)
-            us = time_steady(fn, timing)
-            out, d = stochattn.doublep_attention(q, k, v, index=index, p1=p1, p2=p2,
-                                                 return_diagnostics=True)
-            row["methods"][f"doublep({p1}, {p2})"] = dict(
-                us=us, speedup_vs_fastest=times[fastest] / us,
-                tokens_exact_fraction=float((d.tokens_exact / N).mean()),
-                clusters_selected=float(d.clusters_selected.mean()),
-                clusters_exact=float(d.clusters_exact.mean()),
-                estimated_mass=float(d.estimated_mass.mean()),
-                true_mass=float(d.true_mass.mean()), true_mass_min=float(d.true_mass.min()),
-                k_rows_read_fraction=float(d.k_read_fraction.mean()),
-                rel_error=relative_error(out, exact_out))
+            row["methods"][f"doublep({p1}, {p2})"] = measure(
+                stochattn.doublep_attention, "clusters_selected", "clusters_exact",
+                "estimated_mass", "true_mass_min", "k_rows_read_fraction", p1=p1, p2=p2)
         # The sampled variant (unbiased for the p2 = 1 output) at (0.95, 0.7).
         for S in (int(x) for x in args.sample_budgets.split(",") if x):
-            kw = dict(index=index, p1=0.95, p2=0.7, approx="sample", budget=S)
-            fn = lambda kw=kw: stochattn.doublep_attention(q, k, v, **kw)
-            us = time_steady(fn, timing)
-            out, d = stochattn.doublep_attention(q, k, v, return_diagnostics=True, **kw)
-            row["methods"][f"doublep-sample(0.95, 0.7, S={S})"] = dict(
-                us=us, speedup_vs_fastest=times[fastest] / us,
-                tokens_exact_fraction=float((d.tokens_exact / N).mean()),
-                true_mass=float(d.true_mass.mean()),
-                k_rows_read_fraction=float(d.k_read_fraction.mean()),
-                v_rows_read_fraction=float(d.v_read_fraction.mean()),
-                rel_error=relative_error(out, exact_out))
+            row["methods"][f"doublep-sample(0.95, 0.7, S={S})"] = measure(
+                stochattn.doublep_attention, "k_rows_read_fraction", "v_rows_read_fraction",
+                p1=0.95, p2=0.7, approx="sample", budget=S)
         # Fixed top-k clusters at the exact-cluster count of Double-P (0.95, 0.7).
         kc = max(1, int(round(row["methods"]["doublep(0.95, 0.7)"]["clusters_exact"])))
-        fn = lambda: stochattn.cluster_topk_attention(q, k, v, index=index, clusters=kc)
-        us = time_steady(fn, timing)
-        out, d = stochattn.cluster_topk_attention(q, k, v, index=index, clusters=kc,
-                                                  return_diagnostics=True)
-        row["methods"][f"cluster_topk({kc})"] = dict(
-            us=us, speedup_vs_fastest=times[fastest] / us,
-            tokens_exact_fraction=float((d.tokens_exact / N).mean()),
-            clusters_selected=float(d.clusters_selected.mean()),
-            true_mass=float(d.true_mass.mean()), rel_error=relative_error(out, exact_out))
+        row["methods"][f"cluster_topk({kc})"] = measure(
+            stochattn.cluster_topk_attention, "clusters_selected", clusters=kc)
         rows.append(row)
-        buffers = q = k = v = index = index1 = exact_out = out = base = None  # free the GPU
+        buffers = q = k = v = index = index1 = exact_out = base = None  # free the GPU
         torch.cuda.empty_cache()
         os.makedirs(RESULTS, exist_ok=True)
         with open(os.path.join(RESULTS, args.out), "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
         print(_row_text(row), flush=True)
+
+
+# Summaries of a Diagnostics, by the name they get in the results.
+_STATS = {
+    "clusters_selected": lambda d: float(d.clusters_selected.mean()),
+    "clusters_exact": lambda d: float(d.clusters_exact.mean()),
+    "estimated_mass": lambda d: float(d.estimated_mass.mean()),
+    "true_mass_min": lambda d: float(d.true_mass.min()),
+    "k_rows_read_fraction": lambda d: float(d.k_read_fraction.mean()),
+    "v_rows_read_fraction": lambda d: float(d.v_read_fraction.mean()),
+}
 
 
 def _row_text(row) -> str:

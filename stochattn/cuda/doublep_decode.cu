@@ -1093,26 +1093,20 @@ doublep_attend(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
       float x[RPT * GMAX];
       group_partial_dots<T, D, GMAX>(sk, rg, lr, G, qf, x);
       row_group_sums<LPR>(x, lr);
-      if constexpr (SAMPLE) {
-        // Every lane of the row group holds every sum; lane g % LPR stashes head g's.
-#pragma unroll
-        for (int p = 0; p < RPT; ++p) {
-          const int i = it * ROWS + rg + p * RG;
-          const unsigned am = i < count ? amask[i] : 0u;
-#pragma unroll
-          for (int g = 0; g < GMAX; ++g)
-            if (((am >> g) & 1u) && lr == g % LPR)
-              stash[(head0 + g) * n_pad + list[i]] = x[p * GMAX + g] * 0.69314718055994531f;
-        }
-      }
-      // A head sees only the rows it computes exactly; entries past `count` none.
+      // A head sees only the rows it computes exactly; entries past `count` none. SAMPLE:
+      // every lane of the row group holds every sum, and lane g % LPR first stashes head
+      // g's natural-log logit of the rows it samples.
 #pragma unroll
       for (int p = 0; p < RPT; ++p) {
         const int i = it * ROWS + rg + p * RG;
         const unsigned hm = i < count ? hmask[i] : 0u;
+        const unsigned am = SAMPLE && i < count ? amask[i] : 0u;
 #pragma unroll
-        for (int g = 0; g < GMAX; ++g)
+        for (int g = 0; g < GMAX; ++g) {
+          if (SAMPLE && ((am >> g) & 1u) && lr == g % LPR)
+            stash[(head0 + g) * n_pad + list[i]] = x[p * GMAX + g] * 0.69314718055994531f;
           x[p * GMAX + g] = ((hm >> g) & 1u) ? x[p * GMAX + g] : STOCHATTN_NEG_INF;
+        }
       }
       accumulate_stage<T, D, GMAX>(x, sv, rg, lr, G, m, l, acc);
     }
