@@ -158,14 +158,16 @@ __device__ __forceinline__ unsigned long long block_sum_u64(unsigned long long x
   return total;
 }
 
-__device__ __forceinline__ float block_max(float x, float* red) {
+// Block-wide max over W warps (all threads get it); `red` holds W entries.
+template <int W>
+__device__ __forceinline__ float block_max_n(float x, float* red) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
   if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = x;
   __syncthreads();
   float m = STOCHATTN_NEG_INF;
 #pragma unroll
-  for (int w = 0; w < kSelectWarps; ++w) m = fmaxf(m, red[w]);
+  for (int w = 0; w < W; ++w) m = fmaxf(m, red[w]);
   __syncthreads();
   return m;
 }
@@ -292,7 +294,7 @@ doublep_select(const float* __restrict__ xb, const long long* __restrict__ sizes
   // Max over the non-empty clusters (empty ones hold -inf).
   float mx = STOCHATTN_NEG_INF;
   for (int c = tid; c < C; c += kSelectThreads) mx = fmaxf(mx, x[c]);
-  mx = block_max(mx, redf);
+  mx = block_max_n<kSelectWarps>(mx, redf);
 
   const bool none = mx == STOCHATTN_NEG_INF || L == 0;
   unsigned long long total_w = 0, n_live = 0;
@@ -460,20 +462,6 @@ __device__ __forceinline__ unsigned long long weight_of_key(unsigned long long k
 __device__ __forceinline__ int bin_of(float x, float mx) {
   const float d = (mx - x) * 4.f;
   return d < (float)(kBins - 1) ? (int)d : kBins - 1;
-}
-
-// Block-wide max over W warps (all threads get it); `red` holds W entries.
-template <int W>
-__device__ __forceinline__ float block_max_n(float x, float* red) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = x;
-  __syncthreads();
-  float m = STOCHATTN_NEG_INF;
-#pragma unroll
-  for (int w = 0; w < W; ++w) m = fmaxf(m, red[w]);
-  __syncthreads();
-  return m;
 }
 
 // Block-wide exclusive scan of one 64-bit value per thread (kSortThreads threads); also
