@@ -569,6 +569,22 @@ def test_decode_on_gpu_arrays_needs_a_gpu_index(fn, kwargs):
         fn(gpu_array, gpu_array, gpu_array, index=host_index, **kwargs)
 
 
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(budget=0), ValueError, r"`budget` must be >= 1"),
+    (dict(budget=4, sampler="gumbel"), ValueError, r"`sampler` must be one of"),
+    (dict(budget=4, seed=-1), ValueError, r"`seed` must lie in"),
+    (dict(budget=4, offset=2**32), ValueError, r"`offset` must lie in"),
+    (dict(budget=4, clusters=2), ValueError, r"`budget` \(the sampled variant\) and `clusters`"),
+    (dict(return_indices=True), ValueError, r"`return_indices` needs `budget`"),
+])
+def test_gpu_decode_checks_the_sampled_variant_arguments_first(kwargs, error, match):
+    """stochattn.cuda.doublep.doublep_decode validates before it touches the arrays."""
+    from stochattn.cuda.doublep import doublep_decode
+
+    with pytest.raises(error, match=match):
+        doublep_decode(None, None, None, None, **kwargs)
+
+
 def test_gpu_build_without_cupy_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
     with pytest.raises(ImportError, match=r"`build_doublep_index` got GPU arrays, and the CUDA "

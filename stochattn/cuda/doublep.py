@@ -28,7 +28,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .. import _validation as val
 from ..reference.rng import PURPOSE_CLUSTER_SAMPLER
+from ..reference.samplers import SAMPLERS
 from . import _inputs, _module, _sources
 from ._arrays import ops_for
 from ._sources import group_max
@@ -93,15 +95,19 @@ def doublep_decode(q, k, v, index, *, p1=1.0, p2=1.0, clusters=None, budget=None
     indices : GPU array, only with ``return_indices``
     diagnostics : dict, only with ``return_diagnostics``
     """
-    inp = _inputs.gather(q, k, v)
-    ix = _IndexArrays.of(index)
-    config = _sources.get_config()
     centroid = clusters is None
     if budget is not None and not centroid:
         raise ValueError("`budget` (the sampled variant) and `clusters` (top-k) exclude each other")
     if return_indices and budget is None:
         raise ValueError("`return_indices` needs `budget` (only the sampled variant draws rows)")
-    sample = None if budget is None else _Sample(int(budget), sampler, _SAMPLE_TILE)
+    sample = None
+    if budget is not None:
+        sample = _Sample(val.check_budget("budget", budget),
+                         val.check_choice("sampler", sampler, SAMPLERS), _SAMPLE_TILE)
+        seed, offset = val.check_seed_offset(seed, offset)
+    inp = _inputs.gather(q, k, v)
+    ix = _IndexArrays.of(index)
+    config = _sources.get_config()
     key = ("doublep", inp.key, ix.key, centroid, sample, type(softmax_scale), softmax_scale,
            type(num_chunks), num_chunks, config, SORT_SELECT_MAX_CLUSTERS)
     plan = _inputs.cached_plan(
@@ -266,6 +272,9 @@ class _DoublePPlan:
                  4 * list_len, list_len, 4 * pairs * self.slices)
         self.sample_cfg = sample
         if sample is not None:
+            if rows >= 2**28:
+                raise ValueError(f"`q` batch * heads must be below 2**28 (random-stream rows), "
+                                 f"got {rows}")
             # The sampled variant's buffers: sampled-head masks (u8, like the list), the
             # logit stash (f32, rows x n_pad), lengths (i32, B), tile_m and tile_l (f32,
             # rows x n_tiles), the tile prefix (f64, rows x n_tiles), iid points (f64,
