@@ -309,6 +309,27 @@ def test_sample_reproducible_and_seeded():
     assert not np.array_equal(a, doublep_attention(q, k, v, seed=3, offset=10, **kw))
 
 
+@pytest.mark.parametrize("sampler", ["systematic", "stratified"])
+def test_sample_draws_follow_position_order(sampler):
+    """Systematic and stratified points ascend, and the CDF runs over C_approx's tokens in
+    ascending position, so every head's draws are non-decreasing (exact). The study-only
+    cluster order draws the same number of rows from the same set of tokens."""
+    from stochattn.reference import doublep as ref
+
+    q, k, v, index, _, _ = sample_setup(5, B=2)
+    kw = dict(p1=P1, p2=P2, approx="sample", budget=16, sampler=sampler, seed=2, offset=0,
+              scale=1 / math.sqrt(q.shape[-1]))
+    lens = index.seq_lens
+    _, d = ref.doublep_attention(q, k, v, lens, index, **kw)
+    J = d["sample_indices"]
+    assert (J >= 0).any()
+    assert np.all(np.diff(J, axis=-1) >= 0)
+    _, dc = ref.doublep_attention(q, k, v, lens, index, sample_order="cluster", **kw)
+    np.testing.assert_array_equal(J < 0, dc["sample_indices"] < 0)
+    with pytest.raises(ValueError, match="`sample_order` must be"):
+        ref.doublep_attention(q, k, v, lens, index, sample_order="random", **kw)
+
+
 def test_centroid_variant_is_biased_sample_converges():
     """With many points the sampled variant lands closer to the p2 = 1 output than the
     centroid variant (fixed data and seed: a deterministic check of the SPEC's aim)."""

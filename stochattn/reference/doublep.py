@@ -137,11 +137,16 @@ def _heads(q, k, v, lens, index):
 
 
 def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, seed, offset,
-                      scale):
+                      scale, sample_order="position"):
     """Double-P decode output (B, Hq, D) float64 and a dict of diagnostics arrays.
 
     ``index`` is a :class:`stochattn.doublep.DoublePIndex` (only its arrays are read).
+    ``sample_order`` (studies only; the library and the GPU use "position"): the order of
+    C_approx's tokens under the draws' CDF, "position" (ascending) or "cluster" (clusters
+    in selection order, positions ascending inside a cluster; the order before 2026-12-03).
     """
+    if sample_order not in ("position", "cluster"):
+        raise ValueError(f"`sample_order` must be 'position' or 'cluster', got {sample_order!r}")
     B, Hq, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -175,7 +180,9 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
                 v_extra = np.zeros(0, dtype=np.int64)
                 k_extra = np.zeros(0, dtype=np.int64)
             else:
-                approx_tokens = np.sort(_tokens_of(approx_ids, offsets, token_ids))
+                approx_tokens = _tokens_of(approx_ids, offsets, token_ids)
+                if sample_order == "position":
+                    approx_tokens = np.sort(approx_tokens)
                 xa = x[approx_tokens]
                 m = max(xe.max(initial=-np.inf), xa.max(initial=-np.inf))
                 we, wa = np.exp(xe - m), np.exp(xa - m)
