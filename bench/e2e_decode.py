@@ -9,7 +9,17 @@ forward per token, with each attention implementation in turn:
 
 - ``sdpa``: transformers' own SDPA attention (what a user gets by default);
 - ``stochattn_exact``: stochattn.integrations.transformers with the exact split-KV kernel;
-- ``stochattn_santa``: the same with S²ANTA-prop, systematic sampler, S = --budget (256).
+- ``stochattn_santa``: the same with S²ANTA-prop, systematic sampler, S = --budget (256);
+- ``stochattn_flash``: S²ANTA-flash, systematic, S = --flash-budget (2048);
+- ``stochattn_doublep``: Double-P (0.95, 0.7), centroid summaries; its index is built by
+  the integration at the first decode call of each phase (the prefill is skipped), so the
+  warm-up steps and the warm-up rounds of the attention-alone timing absorb the k-means;
+- ``stochattn_doublep_sample``: Double-P (0.95, 0.7), the sampled variant with
+  S = --doublep-budget (64).
+The default runs the first three; ``--impls all`` runs every one. The timed steps follow
+the warm-up steps directly (the context grows by --warmup tokens first); before the
+warm-up and before the attention-alone timing the cache length is reset to ``context``
+and the stochattn implementation's per-layer state (decode step, Double-P index) with it.
 
 Reported per run: tokens/s (batch * steps / wall time), the median wall time of one
 decode step, the GPU time of the 32 attention calls of one step measured alone (same
@@ -26,6 +36,7 @@ skipped (and listed as skipped in the JSON).
     python3 bench/e2e_decode.py                       # GPU, ~3-4 minutes
     python3 bench/e2e_decode.py --quick               # 32k only, batch 1 and 8
     python3 bench/e2e_decode.py --tiny --device cpu   # a 2-layer model, CPU smoke test
+    python3 bench/e2e_decode.py --impls all           # every estimator (not yet run)
 
 Writes bench/results/e2e_decode.json (or --out) and prints a table last.
 """
@@ -52,6 +63,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward  # n
 
 from stochattn.integrations.transformers import register  # noqa: E402
 
+IMPLS = ("sdpa", "stochattn_exact", "stochattn_santa", "stochattn_flash", "stochattn_doublep",
+         "stochattn_doublep_sample")
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
                 rope_theta=500000.0)
@@ -110,9 +123,13 @@ def filled_cache(model, batch, context, steps, dtype, device, seed):
     return cache
 
 
-def set_length(cache, context):
+def reset(cache, context, fn):
+    """Cache length back to ``context``; a stochattn implementation forgets its per-layer
+    state (decode step, Double-P index), which would otherwise be ahead of the cache."""
     for layer in cache.layers:
         layer.cumulative_length.fill_(context)
+    if hasattr(fn, "reset"):
+        fn.reset()
 
 
 def cache_kwarg(model):
@@ -168,7 +185,10 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--budget", type=int, default=256, help="S of S²ANTA-prop")
-    ap.add_argument("--impls", nargs="+", default=["sdpa", "stochattn_exact", "stochattn_santa"])
+    ap.add_argument("--flash-budget", type=int, default=2048, help="S of S²ANTA-flash")
+    ap.add_argument("--doublep-budget", type=int, default=64, help="S of Double-P's sampled variant")
+    ap.add_argument("--impls", nargs="+", default=["sdpa", "stochattn_exact", "stochattn_santa"],
+                    help=f"some of {', '.join(IMPLS)}, or 'all'")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--attn-reps", type=int, default=5)
@@ -178,6 +198,11 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "e2e_decode.json"))
     args = ap.parse_args(argv)
+    if args.impls == ["all"]:
+        args.impls = list(IMPLS)
+    unknown = [i for i in args.impls if i not in IMPLS]
+    if unknown:
+        ap.error(f"unknown --impls {unknown}; choose from {', '.join(IMPLS)} or 'all'")
     if args.quick:
         args.contexts = [32768]
     if args.tiny and args.contexts == [32768, 131072]:
@@ -187,7 +212,7 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype)
     clock = Clock(device)
     shape = TINY if args.tiny else LLAMA_8B
-    max_len = max(args.contexts) + args.steps + 1
+    max_len = max(args.contexts) + args.warmup + args.steps + 1
     t_build = time.perf_counter()
     model = build_model(shape, dtype, device, max_len)
     key = cache_kwarg(model)
@@ -198,6 +223,14 @@ def main(argv=None):
     impls["stochattn_exact"] = register("stochattn_exact", estimator="exact", check_mask=check)
     impls["stochattn_santa"] = register("stochattn_santa", estimator="santa", budget=args.budget,
                                         sampler="systematic", schedule="prop", check_mask=check)
+    impls["stochattn_flash"] = register("stochattn_flash", estimator="santa",
+                                        budget=args.flash_budget, sampler="systematic",
+                                        schedule="flash", check_mask=check)
+    impls["stochattn_doublep"] = register("stochattn_doublep", estimator="doublep", p1=0.95,
+                                          p2=0.7, check_mask=check)
+    impls["stochattn_doublep_sample"] = register(
+        "stochattn_doublep_sample", estimator="doublep", p1=0.95, p2=0.7, approx="sample",
+        budget=args.doublep_budget, check_mask=check)
 
     cfg = model.config
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -205,7 +238,7 @@ def main(argv=None):
     runs, skipped = [], []
     for context in args.contexts:
         for batch in args.batches:
-            rows = context + args.steps + 1
+            rows = context + args.warmup + args.steps + 1
             kv_bytes = (cfg.num_hidden_layers * 2 * batch * rows * cfg.num_key_value_heads
                         * cfg.head_dim * dtype.itemsize)
             if total_mem is not None and weight_bytes + kv_bytes > 0.92 * total_mem:
@@ -214,17 +247,19 @@ def main(argv=None):
                 skipped.append(dict(context=context, batch=batch, why=why))
                 print(f"skip context {context} batch {batch}: {why}", flush=True)
                 continue
-            cache = filled_cache(model, batch, context, args.steps, dtype, device, seed=context + batch)
+            cache = filled_cache(model, batch, context, args.warmup + args.steps, dtype, device,
+                                 seed=context + batch)
             start = torch.randint(cfg.vocab_size, (batch, 1), device=device)
             sdpa_tps = None
             for impl in args.impls:
                 model.set_attn_implementation(impl)
                 fn = impls[impl]
-                set_length(cache, context)
+                reset(cache, context, fn)
+                # Warm-up, then the timed steps right after it (no reset in between: a
+                # Double-P index built by the warm-up's first step keeps growing).
                 decode(model, cache, key, start, args.warmup, clock)
-                set_length(cache, context)
                 wall, steps_ms, _ = decode(model, cache, key, start, args.steps, clock)
-                set_length(cache, context)
+                reset(cache, context, fn)
                 attn_ms = attention_alone(model, cache, impl, fn, context, batch, clock, args.attn_reps)
                 step_ms = statistics.median(steps_ms)
                 tps = batch * args.steps / wall
