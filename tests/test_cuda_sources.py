@@ -32,7 +32,7 @@ def _backend_params():
 @pytest.mark.parametrize("family", sorted(_sources.FAMILIES))
 def test_family_compiles_for_sm90(family, backend):
     names = _sources.name_expressions(family)
-    assert len(names) == len(set(names)) >= 4
+    assert len(names) == len(set(names)) >= 3
     result = _sources.compile_check(_sources.source_text(family), names, backend=backend)
     assert result.ok, f"{family} failed to compile with {backend}:\n{result.log}"
 

@@ -18,21 +18,16 @@ Every property is exact; none is statistical:
 - on inputs that may hold near-ties (no Lloyd iteration, so no later step depends on one),
   labels equal the reference's except where the float64 distance gap between the two
   labels is within the float32 error bounds;
-- appending one token at a time equals one bulk append, bit for bit; bfloat16 bit patterns
-  give the index of their exact float32 values, bit for bit.
+- (the append is a CUDA C++ kernel: tests/gpu/test_cuda_doublep_append.py checks it, with
+  these helpers, on a GPU).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 pytest.importorskip("numba.cuda")
 
@@ -313,131 +308,9 @@ def test_index_fields_types_and_seq_lens():
 
 
 # ---- append ------------------------------------------------------------------------------
-
-
-def _appended(k, v, n0, L0, L1, kw) -> dict:
-    """Fields of the reference index built on the first n0 positions at L0, then
-    appended to L1 (the state whose assignments the preconditions examine)."""
-    ref = build_doublep_index(k[:, :, :n0], v[:, :, :n0], np.asarray(L0), **kw)
-    ref.append(k, v, np.asarray(L1))
-    return fields(ref)
-
-
-def _append_steps(got, ref, k, v, steps, kw):
-    """Append the same lengths to both indexes; after each step the GPU index must be
-    exact and equal the reference's."""
-    for lens in steps:
-        lens = np.array(lens)
-        gpu.append_gpu(got, k, v, lens)
-        ref.append(k, v, lens)
-        g, r = fields(got), fields(ref)
-        check_index_exact(g, k, v, lens, n_clusters=kw["n_clusters"], n_sink=kw["n_sink"],
-                          window=kw["window"])
-        check_equals_reference(g, r, k, lens, kw["n_sink"])
-
-
-def test_append_equals_reference_over_several_steps():
-    """Build on a shorter cache, then grow it: single tokens, a step with nothing new, a
-    bulk step, and a sequence that stays empty."""
-    kw = dict(n_clusters=6, iterations=2, n_sink=2, window=8, seed=17)
-    k, v = points(3, 2, 90, 16, n_distinct=10, seed=7)
-    L0 = np.array([40, 25, 0])
-    got = DoublePIndex(**gpu.build_index_gpu(k[:, :, :50], v[:, :, :50], L0, **kw))
-    ref = build_doublep_index(k[:, :, :50], v[:, :, :50], L0, **kw)
-    steps = [[41, 25, 0], [42, 26, 0], [42, 26, 0], [60, 40, 0], [90, 41, 0]]
-    assert run_gap(k[:, :, :50], v[:, :, :50], L0, kw) > GAP  # preconditions: no near-tie
-    assert distinct_gap(_appended(k, v, 50, L0, steps[-1], kw), k) > GAP
-    _append_steps(got, ref, k, v, steps, kw)
-    assert got.labels.shape == (3, 2, 90)
-
-
-def test_append_seeds_the_clusters_of_a_short_prompt():
-    """A prompt with fewer middle tokens than clusters: the first tokens that leave the
-    window seed the free clusters (centroid = key, bit for bit), later ones join."""
-    kw = dict(n_clusters=5, iterations=1, n_sink=2, window=4, seed=3)
-    k, v = points(2, 2, 40, 8, n_distinct=9, seed=8)
-    L0 = np.array([8, 3])
-    got, ref = build_both(k, v, L0, kw)
-    assert fields(got)["n_initialized"].tolist() == [[2, 2], [0, 0]]
-    steps = [[9, 8], [12, 9], [30, 40], [40, 40]]
-    assert distinct_gap(_appended(k, v, 40, L0, steps[-1], kw), k) > GAP  # no near-tie
-    _append_steps(got, ref, k, v, steps, kw)
-    g = fields(got)
-    assert g["n_initialized"].tolist() == [[5, 5], [5, 5]]
-    np.testing.assert_array_equal(g["centroids"][1, :, :5], k[1, :, 2:7].astype(np.float32))
-
-
-def test_append_to_the_cluster_that_emptied():
-    """The empty live cluster of the fixed 1-D data keeps its centroid and takes the new
-    tokens closest to it."""
-    k0, _, lens, kw = empty_cluster_inputs()
-    x = [-1.5, 3.0, -1.4, 0.1]
-    k = np.zeros((1, 1, k0.shape[2] + len(x), 8), dtype=np.float32)
-    k[:, :, :k0.shape[2]] = k0
-    k[0, 0, k0.shape[2]:, 0] = x
-    got, ref = build_both(k0, k0, lens, kw)
-    _append_steps(got, ref, k, k, [[12], [15]], kw)
-    assert fields(got)["sizes"][0, 0, 2] > 0
-
-
-@st.composite
-def append_cases(draw):
-    B, Hkv = draw(st.integers(1, 2)), draw(st.integers(1, 2))
-    N = draw(st.integers(2, 24))
-    D = draw(st.sampled_from((4, 8)))
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    dtype = draw(st.sampled_from((np.float16, np.float32)))
-    k = rng.standard_normal((B, Hkv, N, D)).astype(dtype)
-    v = rng.standard_normal((B, Hkv, N, D)).astype(dtype)
-    if draw(st.booleans()):  # exact duplicates: ties between equal centroids
-        k[:, :, N // 2:] = k[:, :, : N - N // 2]
-    L0 = np.array([draw(st.integers(0, N)) for _ in range(B)])
-    L1 = np.array([draw(st.integers(int(l), N)) for l in L0])
-    N0 = max(int(L0.max()), 1)
-    kw = dict(n_clusters=draw(st.integers(1, min(N0, 6))), iterations=draw(st.integers(0, 2)),
-              n_sink=draw(st.integers(0, 3)), window=draw(st.integers(0, 6)),
-              seed=draw(st.integers(0, 2**64 - 1)))
-    return k, v, L0, L1, N0, kw
-
-
-@given(append_cases())
-@settings(max_examples=8)
-def test_append_one_by_one_equals_bulk_and_stays_exact(case):
-    """Bulk append == token-by-token append, bit for bit; the result is exact (structure,
-    nearest centroid, sequential sums); without iterations it equals the reference's
-    except at near-ties."""
-    k, v, L0, L1, N0, kw = case
-    bulk = DoublePIndex(**gpu.build_index_gpu(k[:, :, :N0], v[:, :, :N0], L0, **kw))
-    single = DoublePIndex(**gpu.build_index_gpu(k[:, :, :N0], v[:, :, :N0], L0, **kw))
-    gpu.append_gpu(bulk, k, v, L1)
-    for step in range(int((L1 - L0).max()) + 1):
-        gpu.append_gpu(single, k, v, np.minimum(L0 + step, L1))
-    b, s = fields(bulk), fields(single)
-    for name in FIELDS:
-        np.testing.assert_array_equal(s[name], b[name], err_msg=name)
-    check_index_exact(b, k, v, L1, n_clusters=kw["n_clusters"], n_sink=kw["n_sink"],
-                      window=kw["window"])
-    if kw["iterations"] == 0:
-        ref = build_doublep_index(k[:, :, :N0], v[:, :, :N0], L0, **kw)
-        ref.append(k, v, L1)
-        check_near_ties(b, fields(ref), k)
-
-
-def test_append_lengths_never_shrink_and_none_means_the_cache():
-    """Host lengths below the index's are raised to them (the GPU path does not read
-    device lengths, so it clamps instead of raising); None takes the whole cache."""
-    k, v = points(2, 1, 30, 8, n_distinct=6, seed=2)
-    kw = dict(n_clusters=3, iterations=1, n_sink=1, window=2, seed=0)
-    index = DoublePIndex(**gpu.build_index_gpu(k, v, np.array([10, 12]), **kw))
-    gpu.append_gpu(index, k, v, np.array([5, 15]))
-    np.testing.assert_array_equal(index.seq_lens, [10, 15])
-    gpu.append_gpu(index, k, v, None)
-    np.testing.assert_array_equal(index.seq_lens, [30, 30])
-    check_index_exact(fields(index), k, v, [30, 30], n_clusters=3, n_sink=1, window=2)
-    with pytest.raises(ValueError, match=r"`seq_lens` values must lie in \[0, 30\]"):
-        gpu.append_gpu(index, k, v, np.array([31, 30]))
-    with pytest.raises(ValueError, match="`k` must match the index"):
-        gpu.append_gpu(index, k[:, :, :, :4], v[:, :, :, :4], None)
+# The append kernel is CUDA C++ (stochattn/cuda/doublep_append.cu): its tests run on a GPU, in
+# tests/gpu/test_cuda_doublep_append.py; tie_case is shared with them. Here: an index of
+# NumPy arrays (the simulator's) is not appended on the "GPU" path.
 
 
 def tie_case(threads: int):
@@ -467,46 +340,14 @@ def tie_case(threads: int):
     return fields_, keys, values, np.array([T]), expected
 
 
-def test_append_ties_go_to_the_lowest_cluster():
-    """Exact ties between identical centroids, spread over the threads and over each
-    thread's clusters: the lowest index wins, as the reference's argmin."""
-    threads = gpu._append_kernel(False)[1]
-    f, k, v, lens, expected = tie_case(threads)
-    index = DoublePIndex(**f)
-    gpu.append_gpu(index, k, v, lens)
-    np.testing.assert_array_equal(index.labels[0, 0], expected)
-    ref = DoublePIndex(**{n: (a.astype(np.float64) if n in ("centroids", "value_sums") else
-                              a.copy() if isinstance(a, np.ndarray) else a) for n, a in f.items()})
-    ref.append(k, v, lens)
-    np.testing.assert_array_equal(ref.labels[0, 0], expected)
-
-
-def _bf16(x):
-    """float32 values rounded down to bfloat16 (truncation: exact bfloat16 values) and
-    their bit patterns as int16."""
-    bits = (np.asarray(x, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
-    return (bits.astype(np.uint32) << 16).view(np.float32), bits.view(np.int16)
-
-
-def test_bfloat16_bit_patterns_append_like_their_float32_values():
-    """The bf16 kernel reads 16-bit patterns and widens them exactly: the same index, bit
-    for bit, as the float32 kernel on the widened values (negative values, a zero, and a
-    short prompt so that both the seeding and the nearest-centroid branch run)."""
-    rng = np.random.default_rng(6)
-    k32, kbits = _bf16(rng.standard_normal((2, 2, 40, 8)) * 3.0)
-    v32, vbits = _bf16(rng.standard_normal((2, 2, 40, 8)))
-    k32[0, 0, 20], kbits[0, 0, 20] = 0.0, 0
-    kw = dict(n_clusters=4, iterations=1, n_sink=2, window=4, seed=12)
-    L0, L1 = np.array([30, 8]), np.array([40, 33])
-    a = DoublePIndex(**gpu.build_index_gpu(k32, v32, L0, **kw))
-    b = DoublePIndex(**gpu.build_index_gpu(k32, v32, L0, **kw))
-    gpu.append_gpu(a, k32, v32, L1)
-    labels = b.labels.copy()
-    gpu._launch_append(gpu.NUMPY_API, -1, b, kbits, vbits, L1.astype(np.int64), labels, True)
-    b.labels = labels
-    fa, fb = fields(a), fields(b)
-    for name in ("centroids", "sizes", "value_sums", "labels", "n_initialized"):
-        np.testing.assert_array_equal(fb[name], fa[name], err_msg=name)
+def test_append_gpu_needs_a_gpu_index():
+    k, v = points(1, 1, 20, 4, n_distinct=4, seed=1)
+    index = DoublePIndex(**gpu.build_index_gpu(k, v, np.array([12]), n_clusters=2, iterations=1,
+                                               n_sink=1, window=2, seed=0))
+    with pytest.raises(TypeError, match="`index` must hold GPU arrays to append on the GPU"):
+        gpu.append_gpu(index, k, v, np.array([20]))
+    index.append(k, v, np.array([20]))  # the public method runs the reference on the host
+    np.testing.assert_array_equal(index.seq_lens, [20])
 
 
 # ---- csr, value means, stack -------------------------------------------------------------
@@ -599,42 +440,3 @@ def test_host_index_rejects_gpu_arrays_and_host_repr_is_unchanged():
         index.append(FakeGPUArray(), FakeGPUArray(), None)
     assert repr(index) == ("DoublePIndex(batch=1, kv_heads=1, n_clusters=2, head_dim=4, "
                            "n_sink=1, window=2, seq_lens=[12])")
-
-
-# ---- the real CUDA compile of the append kernels (no GPU needed) -----------------------------
-
-_COMPILE = textwrap.dedent("""
-    import types as pytypes
-    import numba.cuda.dispatcher as dispatcher
-    from numba import cuda, types
-    # Device functions ask the current device for its compute capability: say sm_90.
-    dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=(9, 0))
-    from stochattn.cuda import doublep_index as gpu
-
-    A = lambda t, n: types.Array(t, n, "C")
-    for bf16, kt in ((False, types.float16), (False, types.float32), (True, types.int16)):
-        kernel, _ = gpu._append_kernel(bf16)
-        sig = (A(kt, 4), A(kt, 4), A(types.int64, 1), types.int64, types.int64, types.int64,
-               A(types.int64, 1), A(types.int64, 2), A(types.float32, 4), A(types.int64, 3),
-               A(types.float32, 4), A(types.int32, 3))
-        ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
-        assert ".f64" not in ptx, "float64 arithmetic in the append kernel"
-        if bf16:
-            assert "shl.b32" in ptx  # the 16 bits moved into the high half of a float32
-    print("COMPILED")
-""")
-
-
-def test_append_kernels_compile_for_sm90():
-    """The real (not simulated) Numba-CUDA compile of the three append kernels to PTX for
-    sm_90, in a subprocess without the simulator: catches typing errors the simulator
-    cannot (the bf16 path uses libdevice), and float64 promotions. Needs libnvvm only."""
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True,
-                         text=True, timeout=300)
-    if "COMPILED" not in res.stdout and ("NvvmSupportError" in res.stderr
-                                         or "libNVVM cannot be found" in res.stderr):
-        pytest.skip("libnvvm is not available on this machine")
-    assert "COMPILED" in res.stdout, res.stderr[-4000:]

@@ -44,10 +44,12 @@ SOURCE_DIR = Path(__file__).resolve().parent
 
 # Kernel family -> source file. One cupy.RawModule per family.
 FAMILIES = {"exact_decode": "exact_decode.cu", "santa_prop": "santa_prop.cu",
-            "santa_flash": "santa_flash.cu", "doublep_decode": "doublep_decode.cu"}
+            "santa_flash": "santa_flash.cu", "doublep_decode": "doublep_decode.cu",
+            "doublep_append": "doublep_append.cu"}
 
 # Element type names (validation's dtype names) -> CUDA types.
 CTYPES = {"float16": "stochattn::f16", "bfloat16": "stochattn::bf16"}
+APPEND_CTYPES = dict(CTYPES, float32="float")
 HEAD_DIMS = (64, 128)
 # Register arrays are sized for GMAX query heads per KV head; G itself is a run-time value.
 GROUP_MAXES = (4, 8)
@@ -200,6 +202,10 @@ def name_expressions(family: str, dtypes=None) -> list:
     """Every template instantiation the Python wrappers may launch, as NVRTC name expressions
     (``dtypes``: restrict to these element type names, e.g. ``("float16",)`` for tuning)."""
     names = []
+    if family == "doublep_append":  # the index's cache may also be float32
+        return [f"{kernel}<{ctype}>" for dname, ctype in APPEND_CTYPES.items()
+                if dtypes is None or dname in dtypes
+                for kernel in ("doublep_append_score", "doublep_append")]
     for dname, ctype in CTYPES.items():
         if dtypes is not None and dname not in dtypes:
             continue

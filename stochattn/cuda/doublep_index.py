@@ -24,17 +24,23 @@ arrays):
 - **Build.** :func:`stochattn.cuda.kmeans.kmeans_gpu` (Numba-CUDA: seeding bit for bit the
   reference's, float32 Lloyd iterations, deterministic statistics) gives every field but
   ``seq_lens``, which is stored as an int64 device copy of the lengths.
-- **Append.** One Numba-CUDA kernel, one thread block per (sequence, KV head), walks the
-  tokens that leave the window in position order, exactly as the reference's
-  ``append_tokens``: while clusters without a centroid remain, a token seeds the next one
-  (centroid = its key, widened exactly to float32); otherwise the block scores every
-  centroid, ``|c|^2 - 2 k.c`` in float32 (one thread per cluster, sequential over D, the
-  k-means kernel's arithmetic), and a tree reduction keeps the smallest score, ties to the
-  lowest cluster index. Sizes, labels and float32 value sums are updated by the block in
-  position order, so appending one token at a time gives the same index, bit for bit, as
-  one bulk append, and each value sum is the sequential float32 sum of its members in
-  position order (build and appends alike). Cost per leaving token: ``C * D`` multiply-adds
-  spread over the block; a decode step moves one token per sequence.
+- **Append.** Two CUDA C++ kernels (``doublep_append.cu``, CuPy RawKernels: microseconds
+  of host time per launch), exactly the reference's ``append_tokens``: the tokens that
+  leave the window, in position order, seed the clusters that have no centroid yet
+  (centroid = the key, widened exactly to float32), then join the centroid with the
+  smallest ``|c|^2 - 2 k.c`` in float32, ties to the lowest cluster index. Seeding never
+  depends on a score and a join never moves a centroid, so ``doublep_append_score`` scores
+  the first joins of a call (four; a decode step has one) with the centroid scan split
+  over about two blocks per SM, and ``doublep_append``, one block per (sequence, KV head),
+  seeds, takes those minima, scores any later join of a bulk append itself, updates sizes,
+  labels and float32 value sums in position order, and writes the new lengths and window
+  starts (fresh arrays). One score code serves both kernels, so appending one token at a
+  time gives the same index, bit for bit, as one bulk append, and each value sum is the
+  sequential float32 sum of its members in position order (build and appends alike). Cost
+  per joining token: the ``C * D`` float32 centroids of its (sequence, KV head) read once
+  (9 us at batch 1, 32k, C 2048; 110 us at batch 8, 128k, C 8192 on an H200; until
+  2026-12-03 a Numba-CUDA kernel took 150-590 us there, plus 0.6 ms of host time per
+  launch).
 - **CSR** (:func:`csr_gpu`). Offsets are the prefix sums of the sizes; token ids come from
   one sort of the composite keys ``label * N + position`` (sinks, window and padding get
   label C and sort last), which orders tokens by cluster and by position inside a cluster
@@ -140,22 +146,12 @@ class _NumpyLike:
     def concatenate(self, arrays):
         return self.xp.concatenate(arrays, axis=0)
 
-    def bits16(self, a):
-        """The raw 16-bit patterns of a bfloat16 array, as int16 (a view)."""
-        return a.view(np.int16)
-
     def widen_bf16(self, a):
         """bfloat16 -> float32, exactly: the pattern in the high half of a float32."""
         return (a.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
 
     def to_numpy(self, a) -> np.ndarray:
         return np.asarray(a) if self.name == "numpy" else self.xp.asnumpy(a)
-
-    def kernel_array(self, a):
-        """What a Numba kernel takes: NumPy as is, CuPy through __cuda_array_interface__."""
-        if self.name == "numpy":
-            return a
-        return _kmeans_module().cuda.as_cuda_array(a, sync=False)
 
 
 class _Torch:
@@ -218,18 +214,11 @@ class _Torch:
     def concatenate(self, arrays):
         return self._torch().cat(list(arrays), dim=0)
 
-    def bits16(self, a):
-        return a.view(self._torch().int16)
-
     def widen_bf16(self, a):
         return a.float()
 
     def to_numpy(self, a) -> np.ndarray:
         return a.detach().cpu().numpy()
-
-    def kernel_array(self, a):
-        # No __cuda_array_interface__ on tensors that require grad: the kernels never need it.
-        return _kmeans_module().cuda.as_cuda_array(a.detach(), sync=False)
 
 
 NUMPY_API = _NumpyLike("numpy")
@@ -400,118 +389,25 @@ def build_index_gpu(k, v, seq_lens=None, *, n_clusters, iterations=10, n_sink=4,
 # ---- append -------------------------------------------------------------------------------
 
 
-def _make_append_kernel(widen, threads):
-    """The append kernel for keys/values read through ``widen`` (a device function giving
-    the float32 value of one element); ``threads`` is the block size, a power of two.
-    Call after :func:`_kmeans_module` (which imports Numba)."""
-
-    @cuda.jit
-    def append_kernel(keys, values, new_lens, n_sink, window, Hkv, ws, n_init, centroids, sizes,
-                      value_sums, labels):
-        p = cuda.blockIdx.x  # one block per (sequence b, KV head h)
-        tid = cuda.threadIdx.x
-        nthr = cuda.blockDim.x
-        b = p // Hkv
-        h = p - b * Hkv
-        C = centroids.shape[2]
-        D = centroids.shape[3]
-        N = keys.shape[2]
-        if labels.shape[2] < N:
-            N = labels.shape[2]
-        # Tokens [ws[b], max(n_sink, L' - window)) leave the window; never read past N.
-        start = ws[b]
-        stop = np.int64(new_lens[b]) - window
-        if stop < n_sink:
-            stop = n_sink
-        if stop > N:
-            stop = N
-        red_score = cuda.shared.array(threads, dtype=np.float32)
-        red_index = cuda.shared.array(threads, dtype=np.int64)
-        live = n_init[b, h]  # the same value in every thread, updated identically
-        cuda.syncthreads()  # every thread has read n_init before thread 0 may rewrite it
-        for t in range(start, stop):
-            if live < C:
-                # A cluster without a centroid is left: the token seeds it.
-                c = live
-                for d in range(tid, D, nthr):
-                    centroids[b, h, c, d] = widen(keys[b, h, t, d])
-                live += 1
-            else:
-                # Nearest centroid: |c|^2 - 2 k.c per cluster, first minimum per thread
-                # (clusters ascending), then a tree reduction that prefers the smaller
-                # score and, on equal scores, the lower index: the reference's argmin.
-                best = np.int64(-1)
-                best_score = np.float32(0.0)
-                for cc in range(tid, C, nthr):
-                    nrm = np.float32(0.0)
-                    dot = np.float32(0.0)
-                    for d in range(D):
-                        x = centroids[b, h, cc, d]
-                        nrm += x * x
-                        dot += widen(keys[b, h, t, d]) * x
-                    score = nrm - np.float32(2.0) * dot
-                    if best < 0 or score < best_score:
-                        best = cc
-                        best_score = score
-                red_score[tid] = best_score
-                red_index[tid] = best
-                cuda.syncthreads()
-                s = nthr // 2
-                while s > 0:  # nthr is a power of two
-                    if tid < s:
-                        other = red_index[tid + s]
-                        if other >= 0:
-                            mine = red_index[tid]
-                            so = red_score[tid + s]
-                            sm = red_score[tid]
-                            if mine < 0 or so < sm or (so == sm and other < mine):
-                                red_index[tid] = other
-                                red_score[tid] = so
-                    cuda.syncthreads()
-                    s //= 2
-                c = red_index[0]
-            # Statistics in position order: thread d owns coordinate d, thread 0 the counts.
-            for d in range(tid, D, nthr):
-                value_sums[b, h, c, d] += widen(values[b, h, t, d])
-            if tid == 0:
-                sizes[b, h, c] += 1
-                labels[b, h, t] = c
-            # Everyone has read red_index[0], and a seeded centroid is visible to every
-            # thread, before the next token.
-            cuda.syncthreads()
-        if tid == 0:
-            n_init[b, h] = live
-
-    return append_kernel
+_APPEND_THREADS = 1024  # doublep_append: 32 warps (the bulk path scores with them)
+_SCORE_THREADS = 256  # doublep_append_score
+_FAST_TOKENS = 4  # doublep_append.cu: kFastTokens
+_APPEND_LAUNCHERS: dict = {}  # (device, dtype name) -> (score, append launchers, SMs)
 
 
-_KERNELS: dict = {}
+def _append_launchers(device: int, dtype_name: str):
+    """The compiled append kernels for keys of ``dtype_name`` on ``device`` (current), and
+    its SM count."""
+    kernels = _APPEND_LAUNCHERS.get((device, dtype_name))
+    if kernels is None:
+        from . import _module, _sources
 
-
-def _append_kernel(bf16: bool):
-    """The append kernel for float16/float32 (``bf16=False``) or bfloat16 bit patterns held
-    as int16 (``bf16=True``), built once."""
-    kernel = _KERNELS.get(bf16)
-    if kernel is None:
-        kmeans = _kmeans_module()
-        threads = 16 if kmeans._SIM else 256
-        if not bf16:
-            @cuda.jit(device=True)
-            def widen(x):
-                return np.float32(x)
-        elif kmeans._SIM:
-            @cuda.jit(device=True)
-            def widen(x):  # simulator: plain NumPy on one int16 scalar
-                bits = np.uint32(np.int16(x).view(np.uint16)) << np.uint32(16)
-                return np.array([bits], dtype=np.uint32).view(np.float32)[0]
-        else:
-            from numba.cuda import libdevice
-
-            @cuda.jit(device=True)
-            def widen(x):  # the 16 bits become the high half of a float32: exact
-                return libdevice.int_as_float(np.int32((np.int32(x) & 0xFFFF) << 16))
-        kernel = _KERNELS[bf16] = (_make_append_kernel(widen, threads), threads)
-    return kernel
+        ctype = _sources.APPEND_CTYPES[dtype_name]
+        kernels = _APPEND_LAUNCHERS[(device, dtype_name)] = (
+            _module.launcher("doublep_append", f"doublep_append_score<{ctype}>"),
+            _module.launcher("doublep_append", f"doublep_append<{ctype}>"),
+            _module.num_sms())
+    return kernels
 
 
 def append_gpu(index, k, v, seq_lens) -> None:
@@ -521,7 +417,7 @@ def append_gpu(index, k, v, seq_lens) -> None:
     Parameters
     ----------
     index : DoublePIndex
-        Built on the GPU (or, in the CPU tests, by :func:`build_index_gpu` on NumPy arrays).
+        Built on the GPU (CuPy arrays or torch CUDA tensors).
     k, v : arrays of the index's framework and device, shape (B, Hkv, N', D)
         The grown cache (float16, bfloat16 or float32); N' may exceed the index's N.
     seq_lens : integer array, shape (B,), or None
@@ -531,14 +427,18 @@ def append_gpu(index, k, v, seq_lens) -> None:
     Raises
     ------
     TypeError
-        ``k`` from another framework than the index, bad dtypes.
+        An index of NumPy arrays (the simulator's: :meth:`DoublePIndex.append` runs the
+        reference on those), ``k`` from another framework than the index, bad dtypes.
     ValueError
         Shapes that do not match the index, ``k`` on another GPU, bad host ``seq_lens``.
     """
     api = _api_of_array("index", index.centroids)
-    if api is NUMPY_API and not (isinstance(k, np.ndarray) and isinstance(v, np.ndarray)):
-        raise TypeError(f"`k` must be a NumPy array like the index's arrays (an index built from "
-                        f"NumPy arrays stays on the host), got {_tname(k)}")
+    if api is NUMPY_API:
+        if not (isinstance(k, np.ndarray) and isinstance(v, np.ndarray)):
+            raise TypeError(f"`k` must be a NumPy array like the index's arrays (an index built "
+                            f"from NumPy arrays stays on the host), got {_tname(k)}")
+        raise TypeError("`index` must hold GPU arrays to append on the GPU, got NumPy arrays "
+                        "(DoublePIndex.append runs the reference on a host index)")
     api_k, k, v = _cache_arrays("DoublePIndex.append", k, v)
     if api_k is not api:
         raise TypeError(f"`k` must be a {_FRAMEWORK[api.name]} like the index's arrays (the index "
@@ -548,43 +448,64 @@ def append_gpu(index, k, v, seq_lens) -> None:
     if api.device(index.centroids) != device:
         raise ValueError(f"`k` must be on the GPU of the index ({api.device(index.centroids)}), "
                          f"got device {device}")
-    bf16 = api.dtype_name(k) == "bfloat16"
-    with api.scope(device):
+    from ._arrays import launch_stream, ops_for
+    from ._inputs import device_scope
+
+    ops = ops_for("k", k)
+    k, v = _same_rows(ops, k, v)
+    with api.scope(device), device_scope(device):
         new = _device_lens(api, seq_lens, k, B, N, check=False)
-        new = api.maximum(new, index.seq_lens)  # a sequence never shrinks (values not read)
         labels = index.labels
         if N > labels.shape[-1]:  # the cache grew: extend the labels with -1
             grown = api.full(labels, (B, Hkv, N), -1, "int32")
             grown[..., :labels.shape[-1]] = labels
             labels = grown
-        if bf16:
-            k, v = api.bits16(k), api.bits16(v)
-        _launch_append(api, device, index, k, v, new, labels, bf16)
-        # New arrays (stream-ordered after the kernel, which read the old window starts).
-        window_start = api.maximum(index.window_start,
-                                   api.maximum(new - index.window, index.n_sink))
-    index.labels, index.window_start, index.seq_lens = labels, window_start, new
+        # New lengths and window starts: rows of one buffer, each 16-byte aligned (the
+        # decode kernels' inputs must be).
+        Bp = B + (B & 1)
+        out = ops.empty(index.seq_lens, (2, Bp), "int64")
+        st = _element_strides(ops, k)
+        C = int(index.centroids.shape[2])
+        score, append, sms = _append_launchers(device, api.dtype_name(k))
+        # Split the centroid scan over enough blocks for two per SM, 64+ centroids each.
+        S = max(1, min(-(-2 * sms // (B * Hkv)), -(-C // 64)))
+        partial = ops.empty(index.seq_lens, (B * Hkv * _FAST_TOKENS * S,), "int64")
+        p = lambda a: np.uint64(ops.ptr(a))  # noqa: E731
+        cache = (np.int64(st[0]), np.int64(st[1]), np.int64(st[2]), np.int64(N), p(new),
+                 p(index.seq_lens), p(index.window_start))
+        tail = (np.int32(Hkv), np.int32(C), np.int32(D), np.int64(labels.shape[-1]),
+                np.int64(index.n_sink), np.int64(index.window))
+        stream = launch_stream(ops, device)
+        score.smem = append.smem = 4 * D  # one key, widened
+        score((B * Hkv, S), (_SCORE_THREADS,), (p(k),) + cache + (
+            p(index.n_initialized), p(index.centroids), p(partial)) + tail, stream)
+        append((B * Hkv,), (_APPEND_THREADS,), (p(k), p(v)) + cache + (
+            p(out), np.uint64(ops.ptr(out) + 8 * Bp), p(index.n_initialized),
+            p(index.centroids), p(index.sizes), p(index.value_sums), p(labels), p(partial),
+            np.int32(S)) + tail, stream)
+    # Stream-ordered after the kernels, which read the old lengths and window starts.
+    index.labels, index.seq_lens, index.window_start = labels, out[0, :B], out[1, :B]
 
 
-def _launch_append(api, device, index, keys, values, new_lens, labels, bf16: bool) -> None:
-    """One launch of the append kernel: one block per (sequence, KV head) on the current
-    stream of ``api``; ``keys``/``values`` hold bfloat16 bit patterns as int16 when
-    ``bf16``. Updates ``index``'s centroids, sizes, value sums and n_initialized and
-    ``labels`` (which must cover the cache) in place; reads ``index.window_start``."""
-    kernel, threads = _append_kernel(bf16)
-    kmeans = _kmeans_module()
-    B, Hkv = (int(s) for s in index.centroids.shape[:2])
-    launch = (contextlib.nullcontext() if api is NUMPY_API or kmeans._SIM
-              else kmeans.cuda.gpus[device])
-    with launch:
-        stream = kmeans._stream(api.name, device)
-        kk, vv, nn, ws, n_init, cent, sizes, sums, lab = (
-            api.kernel_array(a) for a in (keys, values, new_lens, index.window_start,
-                                          index.n_initialized, index.centroids, index.sizes,
-                                          index.value_sums, labels))
-        kernel[B * Hkv, threads, stream](kk, vv, nn, np.int64(index.n_sink),
-                                         np.int64(index.window), np.int64(Hkv), ws, n_init,
-                                         cent, sizes, sums, lab)
+def _element_strides(ops, a):
+    """Strides of the batch, head and token axes of a (B, Hkv, N, D) array, in elements."""
+    if ops.name == "torch":
+        return a.stride()[:3]
+    return tuple(s // a.itemsize for s in a.strides[:3])
+
+
+def _same_rows(ops, k, v):
+    """k and v with unit stride along D and the same strides (the append kernel's layout;
+    a KV cache has it already): contiguous copies otherwise."""
+    sk, sv = _element_strides(ops, k), _element_strides(ops, v)
+    unit = lambda a: (a.stride()[3] if ops.name == "torch" else a.strides[3] // a.itemsize) == 1  # noqa: E731
+    if sk == sv and unit(k) and unit(v):
+        return k, v
+    if ops.name == "torch":
+        return k.contiguous(), v.contiguous()
+    import cupy
+
+    return cupy.ascontiguousarray(k), cupy.ascontiguousarray(v)
 
 
 _FRAMEWORK = {"numpy": "NumPy array", "cupy": "CuPy array", "torch": "PyTorch CUDA tensor"}

@@ -209,8 +209,7 @@ def test_append_seeds_a_short_prompt_then_joins(fw):
 
 def test_ties_go_to_the_lowest_cluster_on_the_gpu():
     """More clusters than threads, many identical: the kernel's tie rule is the argmin's."""
-    threads = gpu._append_kernel(False)[1]
-    f, k, v, lens, expected = tie_case(threads)
+    f, k, v, lens, expected = tie_case(gpu._APPEND_THREADS)
     index = DoublePIndex(**{n: cupy.asarray(a) if isinstance(a, np.ndarray) else a
                             for n, a in f.items()})
     index.append(cupy.asarray(k), cupy.asarray(v), lens)
