@@ -3,11 +3,23 @@
 A model of the Llama-3.1-8B shape (32 layers, hidden 4096, Hq 32, Hkv 8, D 128,
 intermediate 14336, vocab 128256) with random bf16 weights is built on the GPU; for every
 (context, batch) its StaticCache is filled directly with synthetic K/V of ``context``
-tokens (Gaussian: the prefill, which would cost ~0.26 s per sequence at 128k and needs a
-real prompt to mean anything, is skipped), then 128 tokens are decoded greedily, one
-forward per token, with each attention implementation in turn:
+tokens (the prefill, which would cost ~0.26 s per sequence at 128k and needs a real prompt
+to mean anything, is skipped), then 128 tokens are decoded greedily, one forward per token,
+with each attention implementation in turn.
+
+K/V (``--kv``): ``calibrated`` (default) fills every layer and sequence with one draw of
+bench.calibrated's generator (attention as peaked as SmolLM2's, SPEC section 6) and makes
+every decode call attend with that draw's query instead of the random model's
+(bench/e2e_impls.CalibratedQuery): a random model's query is unrelated to the cache, its
+attention flat, and Double-P's cost depends on how peaked attention is. ``gaussian`` fills
+the cache with Gaussian K/V and keeps the model's query (flat attention; what the
+2026-12-02 run used). The tokens decoded are meaningless either way (random weights).
+
+Implementations:
 
 - ``sdpa``: transformers' own SDPA attention (what a user gets by default);
+- ``flashinfer``: FlashInfer 0.6.0's batch decode reading the StaticCache in place
+  (bench/e2e_impls.FlashInferDecode), when importable;
 - ``stochattn_exact``: stochattn.integrations.transformers with the exact split-KV kernel;
 - ``stochattn_santa``: the same with S²ANTA-prop, systematic sampler, S = --budget (256);
 - ``stochattn_flash``: S²ANTA-flash, systematic, S = --flash-budget (2048);
@@ -16,7 +28,7 @@ forward per token, with each attention implementation in turn:
   warm-up steps and the warm-up rounds of the attention-alone timing absorb the k-means;
 - ``stochattn_doublep_sample``: Double-P (0.95, 0.7), the sampled variant with
   S = --doublep-budget (64).
-The default runs the first three; ``--impls all`` runs every one. The timed steps follow
+The default runs sdpa, stochattn_exact and stochattn_santa; ``--impls all`` runs every one. The timed steps follow
 the warm-up steps directly (the context grows by --warmup tokens first); before the
 warm-up and before the attention-alone timing the cache length is reset to ``context``
 and the stochattn implementation's per-layer state (decode step, Double-P index) with it.
@@ -36,7 +48,7 @@ skipped (and listed as skipped in the JSON).
     python3 bench/e2e_decode.py                       # GPU, ~3-4 minutes
     python3 bench/e2e_decode.py --quick               # 32k only, batch 1 and 8
     python3 bench/e2e_decode.py --tiny --device cpu   # a 2-layer model, CPU smoke test
-    python3 bench/e2e_decode.py --impls all           # every estimator (not yet run)
+    python3 bench/e2e_decode.py --impls all           # every implementation
 
 Writes bench/results/e2e_decode.json (or --out) and prints a table last.
 """
@@ -58,12 +70,14 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, StaticCache  # noqa: E402
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM, StaticCache  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
+from bench.e2e_impls import CalibratedQuery, FlashInferDecode  # noqa: E402
 from stochattn.integrations.transformers import register  # noqa: E402
 
-IMPLS = ("sdpa", "stochattn_exact", "stochattn_santa", "stochattn_flash", "stochattn_doublep",
+IMPLS = ("sdpa", "flashinfer", "stochattn_exact", "stochattn_santa", "stochattn_flash", "stochattn_doublep",
          "stochattn_doublep_sample")
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
@@ -106,19 +120,35 @@ def build_model(shape, dtype, device, max_len):
     return model.eval()
 
 
-def filled_cache(model, batch, context, steps, dtype, device, seed):
+def calibrated_draw(cfg, context, seed):
+    """One calibrated decode step for one sequence: q (Hq, D), k, v (Hkv, context, D),
+    float16 NumPy arrays (bench.calibrated; ~1.5 s per KV head at 128k on one core)."""
+    import numpy as np
+
+    from bench.calibrated import make_calibrated_inputs
+
+    q, k, v = make_calibrated_inputs(1, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                     context, cfg.head_dim, seed=seed, dtype=np.float16)
+    return q[0], k[0], v[0]
+
+
+def filled_cache(model, batch, context, steps, dtype, device, seed, draw=None):
     """A StaticCache of ``context + steps + 1`` rows per layer whose first ``context`` rows
-    hold Gaussian K/V (float32 draws, cast), as if a prompt of that length had been read."""
+    hold K/V as if a prompt of that length had been read: ``draw``'s k, v (the same in every
+    layer and sequence) or, without one, Gaussian K/V (float32 draws, cast)."""
     cfg = model.config
     cache = StaticCache(config=cfg, max_cache_len=context + steps + 1)
     g = torch.Generator(device=device).manual_seed(seed)
     stub = torch.zeros(batch, cfg.num_key_value_heads, 1, cfg.head_dim, dtype=dtype, device=device)
+    kv = None if draw is None else [torch.from_numpy(a).to(device=device, dtype=dtype)
+                                    for a in draw[1:]]
     for layer in cache.layers:
         layer.lazy_initialization(stub, stub)
-        for t in (layer.keys, layer.values):
+        for i, t in enumerate((layer.keys, layer.values)):
             view = t[:, :, :context]
             for b in range(batch):  # per sequence: bounded float32 scratch
-                view[b].copy_(torch.randn(view[b].shape, generator=g, device=device))
+                view[b].copy_(kv[i] if kv is not None else
+                              torch.randn(view[b].shape, generator=g, device=device))
         layer.cumulative_length.fill_(context)
     return cache
 
@@ -160,7 +190,9 @@ def attention_alone(model, cache, impl, fn, context, batch, clock, reps):
     dev = cache.layers[0].keys.device
     dtype = cache.layers[0].keys.dtype
     n = cache.layers[0].keys.shape[2]
-    q = torch.randn(batch, cfg.num_attention_heads, 1, cfg.head_dim, device=dev).to(dtype)
+    q = getattr(fn, "query", None)
+    if q is None:
+        q = torch.randn(batch, cfg.num_attention_heads, 1, cfg.head_dim, device=dev).to(dtype)
     mask = (torch.arange(n, device=dev) <= context).view(1, 1, 1, n).expand(batch, 1, 1, n)
     modules = [layer.self_attn for layer in model.model.layers]
     scaling = modules[0].scaling
@@ -178,6 +210,12 @@ def attention_alone(model, cache, impl, fn, context, batch, clock, reps):
     return statistics.median(times)
 
 
+def _registered_name(impl):
+    """The transformers name of an implementation's wrapper: transformers takes any name
+    containing "flash" for one of its flash-attention kernels."""
+    return "e2e_" + impl.replace("flash", "fl")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
@@ -190,6 +228,8 @@ def main(argv=None):
     ap.add_argument("--impls", nargs="+", default=["sdpa", "stochattn_exact", "stochattn_santa"],
                     help=f"some of {', '.join(IMPLS)}, or 'all'")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--kv", default="calibrated", choices=["calibrated", "gaussian"],
+                    help="cache contents and query (module docstring)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--attn-reps", type=int, default=5)
     ap.add_argument("--no-mask-check", action="store_true",
@@ -219,11 +259,20 @@ def main(argv=None):
     print(f"model built in {time.perf_counter() - t_build:.1f} s", flush=True)
 
     check = not args.no_mask_check
+    notes = {}
     impls = {"sdpa": sdpa_attention_forward}
+    if "flashinfer" in args.impls:
+        try:
+            impls["flashinfer"] = FlashInferDecode()
+        except Exception as e:  # noqa: BLE001 - not importable, no GPU: say so and go on
+            notes["flashinfer"] = f"skipped: {type(e).__name__}: {str(e)[:200]}"
+            print(f"flashinfer {notes['flashinfer']}", flush=True)
+            args.impls = [i for i in args.impls if i != "flashinfer"]
     impls["stochattn_exact"] = register("stochattn_exact", estimator="exact", check_mask=check)
     impls["stochattn_santa"] = register("stochattn_santa", estimator="santa", budget=args.budget,
                                         sampler="systematic", schedule="prop", check_mask=check)
-    impls["stochattn_flash"] = register("stochattn_flash", estimator="santa",
+    # (transformers refuses to set an implementation whose name contains "flash")
+    impls["stochattn_flash"] = register("stochattn_s2fl", estimator="santa",
                                         budget=args.flash_budget, sampler="systematic",
                                         schedule="flash", check_mask=check)
     impls["stochattn_doublep"] = register("stochattn_doublep", estimator="doublep", p1=0.95,
@@ -231,6 +280,12 @@ def main(argv=None):
     impls["stochattn_doublep_sample"] = register(
         "stochattn_doublep_sample", estimator="doublep", p1=0.95, p2=0.7, approx="sample",
         budget=args.doublep_budget, check_mask=check)
+    # Every implementation runs wrapped, so that all see the same (calibrated) query.
+    wrapped = {}
+    for impl in args.impls:
+        wrapped[impl] = CalibratedQuery(impls[impl])
+        AttentionInterface.register(_registered_name(impl), wrapped[impl])
+        AttentionMaskInterface.register(_registered_name(impl), sdpa_mask)
 
     cfg = model.config
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -247,13 +302,18 @@ def main(argv=None):
                 skipped.append(dict(context=context, batch=batch, why=why))
                 print(f"skip context {context} batch {batch}: {why}", flush=True)
                 continue
+            draw = calibrated_draw(cfg, context, seed=context) if args.kv == "calibrated" else None
             cache = filled_cache(model, batch, context, args.warmup + args.steps, dtype, device,
-                                 seed=context + batch)
+                                 seed=context + batch, draw=draw)
+            query = None if draw is None else (
+                torch.from_numpy(draw[0]).to(device=device, dtype=dtype)[None, :, None, :]
+                .expand(batch, -1, -1, -1).contiguous())
             start = torch.randint(cfg.vocab_size, (batch, 1), device=device)
             sdpa_tps = None
             for impl in args.impls:
-                model.set_attn_implementation(impl)
-                fn = impls[impl]
+                model.set_attn_implementation(_registered_name(impl))
+                fn = wrapped[impl]
+                fn.query = query
                 reset(cache, context, fn)
                 # Warm-up, then the timed steps right after it (no reset in between: a
                 # Double-P index built by the warm-up's first step keeps growing).
@@ -275,16 +335,26 @@ def main(argv=None):
                 print(f"context {context:>6} batch {batch} {impl:<16} {tps:8.1f} tok/s  "
                       f"step {step_ms:7.2f} ms  attention {attn_ms:7.2f} ms "
                       f"({100 * run['attention_share']:.0f}%)", flush=True)
-            del cache
+            del cache, query
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
+    baselines = ("sdpa", "flashinfer")
+    for r in runs:  # against the faster exact baseline of the same configuration
+        base = [x["tokens_per_s"] for x in runs if x["impl"] in baselines
+                and (x["context"], x["batch"]) == (r["context"], r["batch"])]
+        r["speedup_vs_fastest_exact"] = r["tokens_per_s"] / max(base) if base else None
     result = dict(
         date=datetime.date.today().isoformat(),
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
         torch=torch.__version__, transformers=transformers.__version__,
         model=dict(shape, dtype=args.dtype, random_weights=True, weight_gb=weight_bytes / 1e9),
-        kv="StaticCache filled with Gaussian K/V (float32 draws cast to the model dtype); prefill skipped",
+        kv=("StaticCache filled with one draw of bench.calibrated (SmolLM2 profile), the same "
+            "in every layer and sequence; decode queries replaced by that draw's query; prefill "
+            "skipped" if args.kv == "calibrated" else
+            "StaticCache filled with Gaussian K/V (float32 draws cast to the model dtype), the "
+            "model's own queries; prefill skipped"),
+        notes=notes,
         decode="greedy, one forward per token (eager, logits_to_keep=1)",
         budget=args.budget, check_mask=check, warmup_steps=args.warmup,
         attention_alone="median over %d rounds of the per-layer attention calls of one step "
@@ -294,13 +364,15 @@ def main(argv=None):
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"\nwrote {out}")
-    print("| context | batch | attention | tokens/s | step (ms) | attention alone (ms) | share | vs SDPA |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| context | batch | attention | tokens/s | step (ms) | attention alone (ms) | share | vs SDPA "
+          "| vs fastest exact |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in runs:
         vs = "" if r["speedup_vs_sdpa"] is None else f"{r['speedup_vs_sdpa']:.2f}x"
+        vf = "" if r["speedup_vs_fastest_exact"] is None else f"{r['speedup_vs_fastest_exact']:.2f}x"
         print(f"| {r['context']} | {r['batch']} | {r['impl']} | {r['tokens_per_s']:.1f} | "
               f"{r['step_ms_median']:.2f} | {r['attention_ms_per_step']:.2f} | "
-              f"{100 * r['attention_share']:.0f}% | {vs} |")
+              f"{100 * r['attention_share']:.0f}% | {vs} | {vf} |")
     for s in skipped:
         print(f"| {s['context']} | {s['batch']} | skipped: {s['why']} |")
     return 0
