@@ -74,6 +74,9 @@ GRID = (
         dict(p1=p1, p2=p2, cluster_ratio=4)) for p1, p2 in ((0.9, 0.6), (0.95, 0.7), (0.99, 0.8))]
     + [(f"cluster_topk-fine-{c}", "top-k clusters, N/4 clusters", "cluster_topk",
         dict(clusters=c, cluster_ratio=4)) for c in (8, 32)]
+    # A coarser index: prompt_len // 32 clusters, the transformers integration's default.
+    + [(f"doublep-coarse-{p1}-{p2}", "Double-P centroid, N/32 clusters", "doublep",
+        dict(p1=p1, p2=p2, cluster_ratio=32)) for p1, p2 in ((0.95, 0.7),)]
 )
 
 
