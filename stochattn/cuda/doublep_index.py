@@ -75,7 +75,8 @@ import numpy as np
 
 from .. import _validation as val
 from .._backend import require_cupy
-from ._arrays import CUPY, TORCH, host_values, ops_for, to_cupy
+from ._arrays import CUPY, TORCH, host_values, launch_stream, ops_for, to_cupy
+from ._inputs import device_scope
 
 __all__ = ["build_index_gpu", "append_gpu", "csr_gpu", "value_means_gpu", "stack_gpu",
            "device_label"]
@@ -448,9 +449,6 @@ def append_gpu(index, k, v, seq_lens) -> None:
     if api.device(index.centroids) != device:
         raise ValueError(f"`k` must be on the GPU of the index ({api.device(index.centroids)}), "
                          f"got device {device}")
-    from ._arrays import launch_stream, ops_for
-    from ._inputs import device_scope
-
     ops = ops_for("k", k)
     k, v = _same_rows(ops, k, v)
     with api.scope(device), device_scope(device):
