@@ -28,10 +28,11 @@ Implementations:
   warm-up steps and the warm-up rounds of the attention-alone timing absorb the k-means;
 - ``stochattn_doublep_sample``: Double-P (0.95, 0.7), the sampled variant with
   S = --doublep-budget (64).
-The default runs sdpa, stochattn_exact and stochattn_santa; ``--impls all`` runs every one. The timed steps follow
-the warm-up steps directly (the context grows by --warmup tokens first); before the
-warm-up and before the attention-alone timing the cache length is reset to ``context``
-and the stochattn implementation's per-layer state (decode step, Double-P index) with it.
+The default runs sdpa, stochattn_exact and stochattn_santa; ``--impls all`` runs every one.
+The timed steps follow the warm-up steps directly (the context grows by --warmup tokens
+first); before the warm-up and before the attention-alone timing the cache length is reset
+to ``context`` and the stochattn implementation's per-layer state (decode step, Double-P
+index) with it.
 
 Reported per run: tokens/s (batch * steps / wall time), the median wall time of one
 decode step, the GPU time of the 32 attention calls of one step measured alone (same
