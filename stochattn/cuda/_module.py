@@ -62,7 +62,8 @@ class Launcher:
     def __init__(self, raw, smem: int = 0):
         self.raw = raw
         self.smem = int(smem)  # dynamic shared memory bytes per launch
-        if self.smem > 48 * 1024:  # opt in above the default 48 KB limit
+        # Opt in where dynamic plus static shared memory exceeds the default 48 KB limit.
+        if self.smem and self.smem + raw.shared_size_bytes > 48 * 1024:
             raw.max_dynamic_shared_size_bytes = self.smem
         try:
             self.fn = raw.kernel  # cupy.cuda.Function for the current device

@@ -5,8 +5,9 @@ The public entry points are :func:`stochattn.doublep_attention` and
 :func:`doublep_decode` for GPU arrays with a GPU index (built by
 :func:`stochattn.build_doublep_index` from GPU arrays). One call is five launches on the
 caller's current stream, with no host synchronisation (the kernel file's header says what
-each does): cluster logits, the per-head selection (a shared-memory sort of the clusters
-up to the boundary bin for C <= :data:`SORT_SELECT_MAX_CLUSTERS`, else a radix select),
+each does): cluster logits, the per-head selection (a mass histogram over logit bins and a
+shared-memory sort of the boundary bins' clusters for C <= :data:`SORT_SELECT_MAX_CLUSTERS`,
+else a radix select),
 the row list of the tokens computed exactly, the attention over those tokens and the
 approximated clusters (split-K), and the merge. Diagnostics
 add one launch over the whole cache (the true mass needs every logit) and copy a few
@@ -44,6 +45,7 @@ SORT_SELECT_MAX_CLUSTERS = 8192
 _LOGIT_THREADS = 256  # doublep_decode.cu: kLogitThreads
 _SELECT_THREADS = 256  # doublep_decode.cu: kSelectThreads
 _SORT_THREADS = 512  # doublep_decode.cu: kSortThreads
+_SORT_MAX_CLUSTERS = 8192  # doublep_decode.cu: kSortMaxClusters
 _ROW_THREADS = 256  # doublep_decode.cu: kRowThreads
 _SLICE_TOKENS = 2048  # doublep_decode.cu: kSliceTokens
 _LIST_CAP = 1024  # doublep_decode.cu: kListCap
@@ -215,7 +217,7 @@ class _DoublePPlan:
         with _inputs.device_scope(self.device):
             self.logits = _module.launcher(fam, f"doublep_cluster_logits<{ctype}, {D}, {gm}>", 0,
                                            config)
-            self.sorted = C <= SORT_SELECT_MAX_CLUSTERS
+            self.sorted = C <= min(SORT_SELECT_MAX_CLUSTERS, _SORT_MAX_CLUSTERS)
             if self.sorted:
                 self.sort_p = max(2 * _SORT_THREADS, 1 << (C - 1).bit_length())
                 self.select = _module.launcher(fam, "doublep_select_sorted", 8 * self.sort_p,

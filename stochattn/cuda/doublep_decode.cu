@@ -11,8 +11,9 @@
 //    of xb) << 32 | (2^32 - 1 - i), descending: by estimated mass, ties to the lower index,
 //    the reference's order. Weights exp2(xb - max) in fixed point (2^40 per unit), so
 //    prefix masses are exact integers and order-independent; the selection is the
-//    shortest prefix whose mass reaches ceil(p * total). The sorted kernel sorts the keys
-//    in shared memory (bitonic) and scans the masses; doublep_select finds the same
+//    shortest prefix whose mass reaches ceil(p * total). The sorted kernel finds the
+//    logit bin where each prefix ends from an exact mass histogram, sorts only the keys of
+//    that bin in shared memory (bitonic) and scans them; doublep_select finds the same
 //    boundary key by a radix select over 8-bit digits on the mass-weighted histogram
 //    (no sort, any C). Both write one code byte per (cluster, head) into (B, Hkv, C, 8):
 //    0 dropped, 1 approximated (C_approx), 2 exact (C_exact); with `counts` (top-k
@@ -52,7 +53,10 @@ constexpr int kScanTokens = 8;  // tokens per thread of the row-list scan
 constexpr int kRowThreads = 256;
 constexpr int kSliceTokens = kRowThreads * kScanTokens;  // tokens per doublep_rows CTA
 constexpr int kSortThreads = 512;
-constexpr int kBins = 256;  // histogram bins of the sorted selection's candidate filter
+constexpr int kSortMaxClusters = 8192;  // largest C of doublep_select_sorted
+constexpr int kSortPer = kSortMaxClusters / kSortThreads;  // logits per thread
+constexpr int kBins = 2048;  // logit bins of the sorted selection (a multiple of kSortThreads)
+constexpr float kBinsPerLog2 = 64.f;  // bins per log2 unit: the last bin starts ~32 below
 constexpr int kListCap = 1024;  // row-list entries an attention CTA stages in shared memory
 
 __device__ __forceinline__ long long clamp_len(const long long* __restrict__ lens, int b,
@@ -67,14 +71,18 @@ __device__ __forceinline__ unsigned long long codes_of(const unsigned char* __re
   return *reinterpret_cast<const unsigned long long*>(codes + ((pair * C + c) << 3));
 }
 
-// Bit g set where head g's code byte equals `want`.
+// Bit g set where head g's code byte (0, 1 or 2) equals `want`, for g < G. Bit 0 of each
+// byte of `bits` says whether that byte matches; one multiply gathers the eight bits (byte
+// i's bit lands at bit 56 + i, every other partial product above bit 63 or below bit 56,
+// none overlapping), instead of a loop over the heads.
 template <int GMAX>
 __device__ __forceinline__ unsigned heads_with(unsigned long long word, int G, unsigned want) {
-  unsigned mask = 0;
-#pragma unroll
-  for (int g = 0; g < GMAX; ++g)
-    if (g < G && ((word >> (8 * g)) & 0xFFu) == want) mask |= 1u << g;
-  return mask;
+  static_assert(GMAX <= 8, "one code byte per head in a 64-bit word");
+  const unsigned long long bits =
+      want == 2u ? (word >> 1) : (want == 1u ? (word & ~(word >> 1)) : ~(word | (word >> 1)));
+  const unsigned long long gathered =
+      ((bits & 0x0101010101010101ull) * 0x0102040810204080ull) >> 56;
+  return (unsigned)gathered & ((1u << G) - 1u);
 }
 
 // PER consecutive 16-bit elements (PER even, 4-byte aligned) -> floats.
@@ -458,9 +466,11 @@ __device__ __forceinline__ unsigned long long weight_of_key(unsigned long long k
   return __float2ull_rn(exp2f(from_orderable((unsigned)(key >> 32)) - mx) * kFixedOne);
 }
 
-// Histogram bin of a live cluster's logit: floor(4 (mx - x)), at most kBins - 1.
+// Histogram bin of a live cluster's logit: floor(kBinsPerLog2 (mx - x)), at most kBins - 1
+// (the last bin catches every logit more than (kBins - 1) / kBinsPerLog2 below the max).
+// Monotone: a larger logit never gets a larger bin, so bins split the key order into runs.
 __device__ __forceinline__ int bin_of(float x, float mx) {
-  const float d = (mx - x) * 4.f;
+  const float d = (mx - x) * kBinsPerLog2;
   return d < (float)(kBins - 1) ? (int)d : kBins - 1;
 }
 
@@ -489,11 +499,13 @@ __device__ __forceinline__ unsigned long long block_exclusive_scan_u64(unsigned 
 }
 
 // The same selection as doublep_select (identical codes and stats: both pick the shortest
-// prefix, in the same key order, whose integer mass reaches the same target), for C <= P
-// (dynamic shared memory: P keys, P a power of two >= 2 kSortThreads): an exact histogram
-// of the weights over logit bins finds the bin where the p1 prefix ends, and only the
-// clusters up to that bin are bitonic-sorted in shared memory and scanned. Grid (B * Hq),
-// block kSortThreads.
+// prefix, in the same key order, whose integer mass reaches the same target), for
+// C <= min(P, kSortMaxClusters) (dynamic shared memory: P keys, P a power of two >=
+// 2 kSortThreads). An exact histogram of the selection weights over fine logit bins
+// (1/64 of a log2 unit) finds, for each selection, the bin where its prefix ends and the
+// mass of the bins above it. Every cluster above that bin is in, every one below is out;
+// only the clusters of the (at most two) boundary bins are bitonic-sorted in shared memory
+// and scanned, usually a few dozen keys. Grid (B * Hq), block kSortThreads.
 __global__ void __launch_bounds__(kSortThreads)
 doublep_select_sorted(const float* __restrict__ xb, const long long* __restrict__ sizes,
                       const long long* __restrict__ lens,
@@ -502,13 +514,15 @@ doublep_select_sorted(const float* __restrict__ xb, const long long* __restrict_
                       int Hkv, int G, int C, long long cap, int n_sink, double p1, double p2,
                       int counts, int count, int P) {
   constexpr int W = kSortThreads / 32;
+  constexpr int kOwn = kBins / kSortThreads;  // bins per thread in the boundary search
+  static_assert(kBins % kSortThreads == 0, "kBins");
   unsigned long long* keys = reinterpret_cast<unsigned long long*>(dynamic_smem());
   __shared__ unsigned long long red[W];
   __shared__ float redf[W];
-  __shared__ int nsel[2];
   __shared__ unsigned long long hist[kBins];
   __shared__ unsigned long long lane_w[kSortThreads];
-  __shared__ int s_nk, s_bstar;
+  __shared__ unsigned long long s_above[2];
+  __shared__ int s_bin[2], s_cut[2], s_nk, s_n1;
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const SelectRow r(blockIdx.x, Hkv, G, lens, cap, rows_read);
@@ -516,21 +530,34 @@ doublep_select_sorted(const float* __restrict__ xb, const long long* __restrict_
   const long long pair = r.pair, L = r.L;
   const float* x = xb + (long long)row * C;
   const long long* sz = sizes + pair * C;
+  unsigned char* code_of = codes + pair * C * 8 + g;  // code of cluster c: code_of[8 c]
 
   // Pass 1: the largest logit, then the totals (selection weights, estimated masses, live
-  // clusters) and the selection weight of every bin(x) = floor(4 (max - x)) (the last bin
-  // catching everything below), summed exactly in integers.
+  // clusters) and the selection weight of every bin, summed exactly in integers.
+  // The thread's logits stay in registers for both passes (all loads in flight at once).
+  float xr[kSortPer];
+#pragma unroll
+  for (int j = 0; j < kSortPer; ++j) {
+    const int c = j * kSortThreads + tid;
+    xr[j] = c < C ? x[c] : STOCHATTN_NEG_INF;
+  }
   float mx = STOCHATTN_NEG_INF;
-  for (int c = tid; c < C; c += kSortThreads) mx = fmaxf(mx, x[c]);
+#pragma unroll
+  for (int j = 0; j < kSortPer; ++j) mx = fmaxf(mx, xr[j]);
   const float mxall = block_max_n<W>(mx, redf);
   const bool none = mxall == STOCHATTN_NEG_INF || L == 0;
   for (int i = tid; i < kBins; i += kSortThreads) hist[i] = 0;
-  if (tid == 0) s_nk = 0;
+  if (tid == 0) {
+    s_nk = 0;
+    s_n1 = 0;
+  }
   __syncthreads();
-  unsigned long long sel_w = 0, real_w = 0, live_n = 0;
-  for (int base = 0; base < C; base += kSortThreads) {  // uniform over the warp
-    const int c = base + tid;
-    const float xc = c < C ? x[c] : STOCHATTN_NEG_INF;
+  unsigned long long sel_w = 0, real_w = 0, live_n = 0, tail_w = 0;
+#pragma unroll
+  for (int j = 0; j < kSortPer; ++j) {
+    if (j * kSortThreads >= C) break;  // uniform
+    const int c = j * kSortThreads + tid;
+    const float xc = xr[j];
     const bool live = !none && xc != STOCHATTN_NEG_INF;
     unsigned long long ws = 0;
     if (live) {
@@ -541,154 +568,199 @@ doublep_select_sorted(const float* __restrict__ xb, const long long* __restrict_
       live_n += 1;
     }
     // One shared atomic per distinct bin of the warp: the lanes of a bin leave their
-    // weights in `lane_w`, the lowest of them adds the sum.
-    const int bin = live ? bin_of(xc, mxall) : -1;
+    // weights in `lane_w`, the lowest of them adds the sum. The catch-all last bin (often
+    // most of the clusters, far below the max) is summed in registers instead.
+    int bin = live ? bin_of(xc, mxall) : -1;
+    if (bin == kBins - 1) {
+      tail_w += ws;
+      bin = -1;
+    }
     lane_w[tid] = ws;
     const unsigned peers = __match_any_sync(0xffffffffu, bin);
     __syncwarp();
-    if (live && lane == __ffs(peers) - 1) {
+    if (bin >= 0 && lane == __ffs(peers) - 1) {
       unsigned long long sum = 0;
       for (unsigned m = peers; m; m &= m - 1) sum += lane_w[warp * 32 + __ffs(m) - 1];
       atomicAdd(&hist[bin], sum);
     }
     __syncwarp();
   }
-  unsigned long long total_w, n_live, total_real;
+  unsigned long long total_w, n_live, total_real, total_tail;
+  block_exclusive_scan_u64(tail_w, red, &total_tail);
+  if (tid == 0) hist[kBins - 1] = total_tail;  // read after the barriers of the next scans
   block_exclusive_scan_u64(sel_w, red, &total_w);
   block_exclusive_scan_u64(live_n, red, &n_live);
   block_exclusive_scan_u64(real_w, red, &total_real);
-  // Selection s (0: C_p, 1: C_exact) is "every live cluster" for p >= 1 (or top-k with
-  // count >= live), else the shortest prefix whose mass reaches the target.
-  unsigned long long target[2];
-  bool active[2];
-  for (int s = 0; s < 2; ++s) {
-    const double p = s == 0 ? p1 : p2;
-    target[s] = counts ? (unsigned long long)count : (unsigned long long)ceil(p * (double)total_w);
-    active[s] = counts ? (s == 0 && (unsigned long long)count < n_live) : p < 1.0;
-  }
 
-  // Candidates K = the live clusters in bins <= b*, b* the first bin whose cumulative
-  // weight reaches target[0]: bins order clusters by logit, so the shortest prefix ends in
-  // bin b* and K holds it (C_p; C_exact is within it or is all of C_p). Warp 0: lane j
-  // owns bins 8j..8j+7.
-  if (warp == 0) {
-    int bstar = kBins - 1;
-    if (none) {
-      bstar = -1;
-    } else if (active[0]) {
-      unsigned long long part = 0;
+  // Selection 0 is C_p, selection 1 C_exact. A selection is "every live cluster" for p >= 1
+  // (or top-k with count >= live), else the shortest prefix whose mass reaches its target
+  // (>= 1: p > 0 and count > 0). C_exact is C_p itself for top-k, for p2 >= 1, and when its
+  // target is not below C_p's (the reference keeps C_exact within C_p).
+  const unsigned long long target0 =
+      counts ? (unsigned long long)count : (unsigned long long)ceil(p1 * (double)total_w);
+  const unsigned long long target1 = (unsigned long long)ceil(p2 * (double)total_w);
+  const bool active0 = counts ? (unsigned long long)count < n_live : p1 < 1.0;
+  const bool follow = counts || !(p2 < 1.0) || (active0 && target1 >= target0);
+
+  // Boundary bins: thread t owns bins [kOwn t, kOwn t + kOwn); the bin where a selection's
+  // running mass first reaches its target is its boundary (kBins: no boundary, all in).
+  unsigned long long part = 0;
 #pragma unroll
-      for (int i = 0; i < kBins / 32; ++i) part += hist[lane * (kBins / 32) + i];
-      unsigned long long incl = part;
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const unsigned long long y = __shfl_up_sync(0xffffffffu, incl, off);
-        if (lane >= off) incl += y;
-      }
-      const unsigned hit = __ballot_sync(0xffffffffu, incl >= target[0]);
-      if (hit) {
-        const int first = __ffs(hit) - 1;
-        int mine = kBins - 1;
-        if (lane == first) {
-          unsigned long long run = incl - part;
-          for (int i = 0; i < kBins / 32; ++i) {
-            const int bn = lane * (kBins / 32) + i;
-            run += hist[bn];
-            if (run >= target[0]) {
-              mine = bn;
-              break;
-            }
-          }
-        }
-        bstar = __shfl_sync(0xffffffffu, mine, first);
-      }
-    }
-    if (lane == 0) s_bstar = bstar;
+  for (int i = 0; i < kOwn; ++i) part += hist[kOwn * tid + i];
+  unsigned long long hist_total;
+  const unsigned long long before = block_exclusive_scan_u64(part, red, &hist_total);
+  if (tid < 2) {
+    s_bin[tid] = kBins;
+    s_above[tid] = 0;
   }
   __syncthreads();
-  const int bstar = s_bstar;
-
-  // Pass 2: the keys of K into shared memory (any order: they are sorted next); every
-  // other cluster is dropped.
-  for (int base = 0; base < C; base += kSortThreads) {
-    const int c = base + tid;
-    const float xc = c < C ? x[c] : STOCHATTN_NEG_INF;
-    const bool in = xc != STOCHATTN_NEG_INF && bstar >= 0 && bin_of(xc, mxall) <= bstar;
-    const unsigned ballot = __ballot_sync(0xffffffffu, in);
-    int at = 0;
-    if (lane == 0 && ballot) at = atomicAdd(&s_nk, __popc(ballot));
-    at = __shfl_sync(0xffffffffu, at, 0) + __popc(ballot & ((1u << lane) - 1u));
-    if (in) {
-      keys[at] = ((unsigned long long)orderable(xc) << 32) | (unsigned long long)(0xFFFFFFFFu - (unsigned)c);
-    } else if (c < C) {
-      codes[((pair * C + c) << 3) + g] = 0;
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    const bool act = s == 0 ? active0 : !follow;
+    const unsigned long long t = s == 0 ? target0 : target1;
+    if (!none && act && before < t && before + part >= t) {
+      unsigned long long run = before;
+#pragma unroll
+      for (int i = 0; i < kOwn; ++i) {
+        const unsigned long long h = hist[kOwn * tid + i];
+        if (run + h >= t) {
+          s_bin[s] = kOwn * tid + i;
+          s_above[s] = run;
+          break;
+        }
+        run += h;
+      }
     }
   }
+  __syncthreads();
+  const int bin_p = s_bin[0];                    // C_p: bins < bin_p, and a prefix of bin_p
+  const int bin_e = follow ? bin_p : s_bin[1];  // C_exact likewise (bin_e <= bin_p)
+  const bool two = !follow && bin_e != bin_p;    // two boundary bins: bin_e's keys first
+  const bool seg_e = !follow && bin_e < kBins, seg_p = bin_p < kBins;
+
+  // Pass 2: every cluster off the boundary bins gets its code; the keys of the boundary
+  // bins go to shared memory (any order: they are sorted next).
+  unsigned long long n_p = 0, n_e = 0, tok_e = 0, mass_p = 0;
+#pragma unroll
+  for (int j = 0; j < kSortPer; ++j) {
+    if (j * kSortThreads >= C) break;  // uniform
+    const int c = j * kSortThreads + tid;
+    const float xc = xr[j];
+    const bool live = !none && xc != STOCHATTN_NEG_INF;
+    const int bin = live ? bin_of(xc, mxall) : kBins;
+    const bool at_e = live && seg_e && bin == bin_e;
+    const bool in = at_e || (live && seg_p && bin == bin_p);
+    const unsigned ballot = __ballot_sync(0xffffffffu, in);
+    if (ballot) {  // uniform
+      const unsigned ballot_e = __ballot_sync(0xffffffffu, at_e && two);
+      int at = 0;
+      if (lane == 0) {
+        at = atomicAdd(&s_nk, __popc(ballot));
+        if (ballot_e) atomicAdd(&s_n1, __popc(ballot_e));
+      }
+      at = __shfl_sync(0xffffffffu, at, 0) + __popc(ballot & ((1u << lane) - 1u));
+      if (in)
+        keys[at] = ((unsigned long long)orderable(xc) << 32) |
+                   (unsigned long long)(0xFFFFFFFFu - (unsigned)c);
+    }
+    if (c < C && !in) {
+      const unsigned char code = !live ? 0 : (bin < bin_e ? 2 : (bin < bin_p ? 1 : 0));
+      code_of[8 * (long long)c] = code;
+      if (code) {
+        n_p += 1;
+        mass_p += __float2ull_rn(exp2f(xc - mxall) * kFixedOne);
+        if (code == 2) {
+          n_e += 1;
+          tok_e += (unsigned long long)sz[c];
+        }
+      }
+    }
+  }
+  if (tid < 2) s_cut[tid] = 0;
   __syncthreads();
   const int nk = s_nk;
+  const int n1 = two ? s_n1 : 0;  // sorted positions [0, n1): bin_e's keys (when two)
   int Q = 2;
   while (Q < nk) Q <<= 1;
   for (int i = nk + tid; i < Q; i += kSortThreads) keys[i] = 0ull;  // padding sorts last
 
-  // Bitonic sort of K, descending.
-  for (int k = 2; k <= Q; k <<= 1) {
-    for (int j = k >> 1; j > 0; j >>= 1) {
-      __syncthreads();
-      for (int t = tid; t < Q / 2; t += kSortThreads) {
-        const int i = 2 * t - (t & (j - 1));
-        const int o = i + j;
-        const unsigned long long a = keys[i], c = keys[o];
-        const bool desc = (i & k) == 0;
-        if (desc ? a < c : a > c) {
-          keys[i] = c;
-          keys[o] = a;
+  // Bitonic sort of the boundary keys, descending.
+  if (nk > 1) {  // uniform
+    for (int k = 2; k <= Q; k <<= 1) {
+      for (int j = k >> 1; j > 0; j >>= 1) {
+        __syncthreads();
+        for (int t = tid; t < Q / 2; t += kSortThreads) {
+          const int i = 2 * t - (t & (j - 1));
+          const int o = i + j;
+          const unsigned long long a = keys[i], c = keys[o];
+          const bool desc = (i & k) == 0;
+          if (desc ? a < c : a > c) {
+            keys[i] = c;
+            keys[o] = a;
+          }
         }
       }
     }
   }
   __syncthreads();
 
-  // Thread tid owns sorted positions [tid E, tid E + E) (Q < kSortThreads: one each, or
-  // none): the prefix sums of the selection weights find both boundaries.
+  // Thread tid owns sorted positions [tid E, tid E + E): the exclusive prefix of the
+  // selection weights, less bin_e's total in bin_p's run, plus the mass of the bins above,
+  // is the running mass of the full key order; each selection ends where it reaches its
+  // target (exactly one position of its boundary bin).
   const int E = (Q + kSortThreads - 1) / kSortThreads;
   unsigned long long mine = 0;
   for (int e = 0; e < E; ++e) {
     const int i = tid * E + e;
-    const unsigned long long key = i < Q ? keys[i] : 0ull;
-    if (key != 0ull) mine += counts ? 1ull : weight_of_key(key, mxall);
+    if (i < nk) mine += counts ? 1ull : weight_of_key(keys[i], mxall);
   }
   unsigned long long k_total;
-  const unsigned long long before = block_exclusive_scan_u64(mine, red, &k_total);
-  if (tid < 2) nsel[tid] = nk;  // a target not reached in K: all of K (s = 1: then C_p)
-  __syncthreads();
-  unsigned long long run = before;
+  const unsigned long long excl = block_exclusive_scan_u64(mine, red, &k_total);
+  unsigned long long run = excl;
   for (int e = 0; e < E; ++e) {
     const int i = tid * E + e;
-    const unsigned long long key = i < Q ? keys[i] : 0ull;
-    if (key == 0ull) break;
-    const unsigned long long w = counts ? 1ull : weight_of_key(key, mxall);
-#pragma unroll
-    for (int s = 0; s < 2; ++s)  // the one position where the running mass reaches it
-      if (active[s] && run < target[s] && run + w >= target[s]) nsel[s] = i + 1;
+    if (i >= nk) break;
+    const unsigned long long w = counts ? 1ull : weight_of_key(keys[i], mxall);
+    const bool first_run = i < n1 || !two;  // bin_e's keys, or the single boundary bin
+    const unsigned long long within = first_run ? run : run - hist[bin_e];
+    if (!follow && (two ? i < n1 : true)) {  // selection 1 ends in bin_e
+      const unsigned long long m = s_above[1] + within;
+      if (m < target1 && m + w >= target1) s_cut[1] = i + 1;
+    }
+    if (seg_p && (two ? i >= n1 : true)) {  // selection 0 ends in bin_p
+      const unsigned long long m = s_above[0] + within;
+      if (m < target0 && m + w >= target0) s_cut[0] = i + 1;
+    }
     run += w;
   }
   __syncthreads();
-  const int n_p = nsel[0];
-  const int n_e = counts ? n_p : min(nsel[1], n_p);
+  const int cut0 = s_cut[0], cut1 = s_cut[1];
 
-  // Codes of K, and the statistics of C_p and C_exact.
-  unsigned long long mass_p = 0, tok_e = 0;
+  // Codes of the boundary keys, and the statistics of C_p and C_exact.
   for (int i = tid; i < nk; i += kSortThreads) {
     const unsigned long long key = keys[i];
     const int c = (int)(0xFFFFFFFFu - (unsigned)(key & 0xFFFFFFFFull));
-    const unsigned char code = i < n_e ? 2 : (i < n_p ? 1 : 0);
-    codes[((pair * C + c) << 3) + g] = code;
+    unsigned char code;
+    if (follow) {
+      code = i < cut0 ? 2 : 0;
+    } else if (two) {
+      code = i < n1 ? (i < cut1 ? 2 : 1) : (i < cut0 ? 1 : 0);
+    } else {
+      code = i < cut1 ? 2 : (i < cut0 ? 1 : 0);
+    }
+    code_of[8 * (long long)c] = code;
     if (code) {
+      n_p += 1;
       mass_p += weight_of_key(key, mxall);
-      if (code == 2) tok_e += (unsigned long long)sz[c];
+      if (code == 2) {
+        n_e += 1;
+        tok_e += (unsigned long long)sz[c];
+      }
     }
   }
   if (stats) {
+    block_exclusive_scan_u64(n_p, red, &n_p);
+    block_exclusive_scan_u64(n_e, red, &n_e);
     block_exclusive_scan_u64(mass_p, red, &mass_p);
     block_exclusive_scan_u64(tok_e, red, &tok_e);
     if (tid == 0) {
@@ -758,12 +830,23 @@ doublep_rows(const long long* __restrict__ lens, const long long* __restrict__ w
   const unsigned all = (1u << G) - 1u;
   const int* lab = labels + pair * NL;
   const long long t0 = (long long)slice * kSliceTokens + (long long)tid * kScanTokens;
-  // All label and code loads issued before any is used (the scan is latency-bound).
+  // All label and code loads issued before any is used (the scan is latency-bound); the
+  // labels as two 16-byte loads where the rows are 16-byte aligned (NL % 4 == 0).
   int c[kScanTokens];
+  static_assert(kScanTokens == 8, "two int4 label loads");
+  if ((NL & 3) == 0 && t0 + kScanTokens <= NL && t0 < L) {
+    const int4 lo = reinterpret_cast<const int4*>(lab + t0)[0];
+    const int4 hi = reinterpret_cast<const int4*>(lab + t0)[1];
+    c[0] = lo.x; c[1] = lo.y; c[2] = lo.z; c[3] = lo.w;
+    c[4] = hi.x; c[5] = hi.y; c[6] = hi.z; c[7] = hi.w;
+  } else {
+#pragma unroll
+    for (int j = 0; j < kScanTokens; ++j) c[j] = t0 + j < L ? lab[t0 + j] : -1;  // L <= NL
+  }
 #pragma unroll
   for (int j = 0; j < kScanTokens; ++j) {
     const long long t = t0 + j;
-    c[j] = (t < L && t >= sinks && t < ws) ? lab[t] : -1;
+    if (!(t < L && t >= sinks && t < ws)) c[j] = -1;
   }
   unsigned long long word[kScanTokens];
 #pragma unroll

@@ -216,16 +216,36 @@ def test_host_index_with_gpu_arrays_is_rejected():
         stochattn.doublep_attention(*dev, index=host_index(index))
 
 
+@pytest.mark.parametrize("q_scale, p1, p2", [
+    (1.0, 0.9, 0.6),           # the usual case: boundary bins with a few keys each
+    (1.0, 1.0, 0.7),           # C_p = every cluster, C_exact a prefix
+    (1.0, 0.6, 0.9),           # p2 > p1: C_exact is C_p
+    (0.0, 0.9, 0.6),           # q = 0: logits log2(size), long runs of equal logits in one bin
+    (1e-3, 0.95, 0.7),         # nearly flat: most clusters in one boundary bin
+    (40.0, 0.999999, 0.9999),  # logits spread over ~1000 log2 units: the catch-all last bin
+])
 @pytest.mark.parametrize("clusters", [None, 37])
-def test_sorted_selection_equals_radix_select(monkeypatch, clusters):
-    """The shared-memory sort (C <= SORT_SELECT_MAX_CLUSTERS) and the radix select pick the
-    same prefix of the same integer masses: identical codes, so identical outputs and
-    statistics, bit for bit."""
-    from stochattn.cuda import doublep as gpu_dp
-
+def test_sorted_selection_equals_radix_select(monkeypatch, clusters, q_scale, p1, p2):
+    """The histogram-and-sort selection (C <= SORT_SELECT_MAX_CLUSTERS) and the radix select
+    pick the same prefix of the same integer masses: identical codes, so identical outputs
+    and statistics, bit for bit; on flat, tied and widely spread logits too."""
     B, Hkv, G, N, D, lens, C = CASES["G=8, many clusters"]
     dev, _, _, index = setup(B, Hkv, G, N, D, lens, C=C, seed=21)
-    kw = dict(p1=0.9, p2=0.6, clusters=clusters, return_diagnostics=True)
+    dev = (dev[0] * q_scale,) + dev[1:]
+    assert_sorted_equals_radix(monkeypatch, dev, index, p1, p2, clusters)
+
+
+def test_sorted_selection_with_shared_memory_opt_in(monkeypatch):
+    """4500 clusters: 64 KB of keys plus the static histogram need the opt-in above 48 KB
+    of shared memory; still the radix select's codes."""
+    dev, _, _, index = setup(1, 2, 4, 9000, 64, [9000], C=4500, seed=22)
+    assert_sorted_equals_radix(monkeypatch, dev, index, 0.95, 0.7, None)
+
+
+def assert_sorted_equals_radix(monkeypatch, dev, index, p1, p2, clusters):
+    from stochattn.cuda import doublep as gpu_dp
+
+    kw = dict(p1=p1, p2=p2, clusters=clusters, return_diagnostics=True)
     runs = []
     for limit in (gpu_dp.SORT_SELECT_MAX_CLUSTERS, 0):
         monkeypatch.setattr(gpu_dp, "SORT_SELECT_MAX_CLUSTERS", limit)
@@ -236,6 +256,9 @@ def test_sorted_selection_equals_radix_select(monkeypatch, clusters):
     for name in ("clusters_selected", "clusters_exact", "tokens_exact", "estimated_mass",
                  "k_rows_read"):
         np.testing.assert_array_equal(d1[name], d2[name])
+    assert (d1["clusters_exact"] <= d1["clusters_selected"]).all()
+    if p1 == 1.0 and clusters is None:
+        assert (d1["clusters_selected"] == d1["clusters_selected"].max()).all()
 
 
 @pytest.mark.parametrize("num_chunks", [None, 1, 5])
