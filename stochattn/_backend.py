@@ -5,9 +5,12 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
-__all__ = ["backend_of", "cuda_not_implemented", "host_floats", "host_ints", "require_cupy"]
+__all__ = ["backend_of", "callers_namespace", "cuda_not_implemented", "host_floats", "host_ints",
+           "in_callers_framework", "require_cupy", "to_namespace"]
 
 
 def _kind(name: str, a) -> str:
@@ -83,3 +86,52 @@ def host_ints(a) -> np.ndarray:
 def host_floats(a) -> np.ndarray:
     """Values on the host as float64 (see _host)."""
     return _host(a).astype(np.float64)
+
+
+# ---- results in the caller's framework ------------------------------------------------------
+
+_NATIVE = ("numpy", "cupy", "torch")  # frameworks the CUDA wrappers return natively
+
+
+def callers_namespace(a):
+    """The array namespace to hand GPU results back in, for a GPU array of a framework other
+    than CuPy and PyTorch (JAX, ...), which the kernels see through CuPy: its array-API
+    namespace (``a.__array_namespace__()``, e.g. ``jax.numpy``), if it has one with
+    ``from_dlpack``. None for NumPy, CuPy and PyTorch arrays (their results already come
+    back in their own type) and for arrays with no such namespace (the result stays CuPy)."""
+    if type(a).__module__.split(".")[0] in _NATIVE:
+        return None
+    get = getattr(a, "__array_namespace__", None)
+    if get is None:
+        return None
+    try:
+        xp = get()
+    except Exception:  # noqa: BLE001 - no usable namespace: leave the result as CuPy
+        return None
+    return xp if hasattr(xp, "from_dlpack") else None
+
+
+def to_namespace(result, xp):
+    """``result`` with every CuPy array in it (also inside tuples and lists) taken into
+    ``xp`` through DLPack, zero-copy; other values (host diagnostics) as they are."""
+    if isinstance(result, (tuple, list)):
+        return type(result)(to_namespace(r, xp) for r in result)
+    if type(result).__module__.split(".")[0] == "cupy" and hasattr(result, "__dlpack__"):
+        return xp.from_dlpack(result)
+    return result
+
+
+def in_callers_framework(position: int = 0):
+    """Decorator of a GPU path whose positional argument ``position`` is ``q``: its results
+    come back in ``q``'s framework (see :func:`callers_namespace`)."""
+
+    def decorate(gpu_path):
+        @functools.wraps(gpu_path)
+        def wrapped(*args, **kwargs):
+            result = gpu_path(*args, **kwargs)
+            xp = callers_namespace(args[position])
+            return result if xp is None else to_namespace(result, xp)
+
+        return wrapped
+
+    return decorate

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _validation as val
-from ._backend import backend_of, host_floats, host_ints, require_cupy
+from ._backend import backend_of, host_floats, host_ints, in_callers_framework, require_cupy
 from .diagnostics import Diagnostics
 from .reference import bernoulli as _ref
 from .reference.common import finish, lengths
@@ -121,6 +121,7 @@ def bernoulli_scores(q, k, seq_lens=None, *, draws=4, group_shared=False, seed=0
     return out, diag
 
 
+@in_callers_framework()
 def _bernoulli_cuda(q, k, seq_lens, draws, group_shared, seed, offset, check_finite,
                     return_diagnostics):
     """GPU arrays: stochattn.cuda.bernoulli (token-major K, pieces of unkept features skipped)."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _validation as val
-from ._backend import backend_of
+from ._backend import backend_of, in_callers_framework
 from .diagnostics import Diagnostics
 from .reference import doublep as _ref
 from .reference import kmeans as _km
@@ -341,6 +341,7 @@ def _check_index(index, shape, seq_lens):
     return lens
 
 
+@in_callers_framework(position=1)
 def _decode_cuda(function, q, k, v, seq_lens, index, softmax_scale, check_finite,
                  return_diagnostics, **options):
     """The GPU path of both decode functions: a GPU index of this cache, then the kernels of

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _validation as val
-from ._backend import backend_of, host_ints, require_cupy
+from ._backend import backend_of, host_ints, in_callers_framework, require_cupy
 from .diagnostics import Diagnostics
 from .reference import exact as _ref
 from .reference.common import finish, lengths
@@ -68,6 +68,7 @@ def exact_attention(q, k, v, seq_lens=None, *, softmax_scale=None, check_finite=
     return out, diag
 
 
+@in_callers_framework()
 def _exact_cuda(q, k, v, seq_lens, softmax_scale, check_finite, return_diagnostics):
     require_cupy("exact_attention")
     from .cuda import exact_decode

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import _validation as val
-from ._backend import backend_of, cuda_not_implemented, host_floats, host_ints, require_cupy
+from ._backend import (backend_of, cuda_not_implemented, host_floats, host_ints,
+                       in_callers_framework, require_cupy)
 from .diagnostics import Diagnostics
 from .reference import santa as _ref
 from .reference.common import finish, lengths, union_rows_per_kv_head
@@ -154,6 +155,7 @@ def santa_attention(q, k, v, seq_lens=None, *, budget, sampler="systematic", sch
     return out, diag
 
 
+@in_callers_framework()
 def _santa_cuda(q, k, v, seq_lens, budget, sampler, schedule, tile_size, seed, offset, scores,
                 draws, group_shared, softmax_scale, check_finite, return_diagnostics):
     """GPU arrays: the S²ANTA-prop (exact or Bernoulli scores) and S²ANTA-flash kernels;

@@ -9,8 +9,10 @@ Three kinds of input, each handled by one small "ops" object:
   the kernels read raw 16-bit patterns, the output is a ``torch.bfloat16`` tensor.
 - CuPy arrays (:data:`CUPY`): launched on CuPy's current stream; buffers from CuPy's pool.
 - any other CUDA array with ``__dlpack__`` (JAX, ...): taken zero-copy with
-  :func:`cupy.from_dlpack` once per call, then handled as CuPy; the result is a CuPy array.
-  A bfloat16 array fails there with CuPy's message if this CuPy has no bfloat16 dtype.
+  :func:`cupy.from_dlpack` once per call, then handled as CuPy; the public functions hand
+  the result back through the caller's array-API namespace (``jax.numpy.from_dlpack``,
+  zero-copy; :func:`stochattn._backend.in_callers_framework`). A bfloat16 array fails
+  there with CuPy's message if this CuPy has no bfloat16 dtype.
 
 Inputs that are not C-contiguous or not 16-byte aligned are copied (the kernels use 16-byte
 vector loads).
