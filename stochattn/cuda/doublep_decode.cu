@@ -218,17 +218,22 @@ doublep_cluster_logits(const T* __restrict__ q, const float* __restrict__ centro
   const int c0 = blockIdx.x * per_cta;
   const int c1 = min(C, c0 + per_cta);
   const int head = reduced_head<GMAX>(lane);
-  // kLogitRows rows per warp iteration: all loads in flight before the reductions.
+  // kLogitRows rows per warp iteration: all loads in flight before the reductions, the
+  // cluster sizes with them (a size loaded after the dot product would add a second
+  // memory round trip to every iteration).
   for (int c = c0 + warp; c < c1; c += kLogitRows * kLogitWarps) {
     float cf[kLogitRows][PER];
+    long long size[kLogitRows];
 #pragma unroll
     for (int r = 0; r < kLogitRows; ++r) {
       const int cr = c + r * kLogitWarps;
       if (cr < c1) {
         load_floats<PER>(cbase + (long long)cr * D + lane * PER, cf[r]);
+        size[r] = sz[cr];
       } else {
 #pragma unroll
         for (int e = 0; e < PER; ++e) cf[r][e] = 0.f;
+        size[r] = 0;
       }
     }
 #pragma unroll
@@ -243,10 +248,9 @@ doublep_cluster_logits(const T* __restrict__ q, const float* __restrict__ centro
         part[g] = acc;
       }
       const float dot = warp_reduce_scatter<GMAX>(part, lane);  // head `head`'s logit
-      if (cr < c1 && head < G && (lane & (32 / GMAX - 1)) == 0) {
-        const long long size = sz[cr];
-        xb[(head0 + head) * C + cr] = size > 0 ? dot + log2f((float)size) : STOCHATTN_NEG_INF;
-      }
+      if (cr < c1 && head < G && (lane & (32 / GMAX - 1)) == 0)
+        xb[(head0 + head) * C + cr] =
+            size[r] > 0 ? dot + log2f((float)size[r]) : STOCHATTN_NEG_INF;
     }
   }
 }
