@@ -16,7 +16,7 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   echo "== profile B=8, 128k =="
   ncu --clock-control none -k regex:"doublep_|exact_decode_merge" --launch-skip 8 --launch-count 4 \
       --section SpeedOfLight python3 bench/profile_doublep.py --batch 8 --tokens 131072 \
-      --iterations 1 2>&1 | grep -E "doublep_|exact_decode_merge|Duration|DRAM Through|host time"
+      --iterations 10 2>&1 | grep -E "doublep_|exact_decode_merge|Duration|DRAM Through|host time"
   echo "== benchmark =="
   python3 bench/bench_doublep.py ${CASES:+--cases $CASES} || status=1
   # On the device tool's machine, bring the results back.
