@@ -52,8 +52,11 @@ SCAN_TPB = 1 if SIM else 256  # threads of the per-problem scans (any size)
 DIM_TPB = 1 if SIM else 256  # threads over D of the per-cluster kernels (a power of two)
 LANES = 1 if SIM else 32  # threads (one warp) of a GEMM-assignment block (power of 2, <= 32)
 LANES_MAX = 32  # shared-memory size of the simulator's warp shuffles
+# GEMM assignment geometry, from bench/tune_kmeans.py on the H200 (2026-12-04, 128k tokens,
+# 4096 clusters, ms per build): 4 x 1 45.6, 8 x 1 49.4, 4 x 2 53.2, 4 x 4 55.5, 16 x 1
+# 61.5 (registers). Loading a lane's next words ahead did not help (4 x 1: 47.4).
 ROW_TILE = 2 if SIM else 4  # rows of the GEMM chunk one assignment block reads together
-TILES_PER_BLOCK = 2 if SIM else 4  # row tiles per assignment block, one after the other
+TILES_PER_BLOCK = 2 if SIM else 1  # row tiles per assignment block, one after the other
 VEC = 4  # float16 scores per 8-byte load (the GEMM chunk's row stride is a multiple of 8)
 SCAN_TPB_MAX = 256  # shared-memory size of the scans (tests may raise SCAN_TPB to this)
 DIM_SHARED = 1024  # the per-cluster kernels stage rows of D <= DIM_SHARED in shared memory
@@ -158,9 +161,11 @@ def exact_score(keys, cent, b, h, j, c, norm):
     """``|c|^2 - 2 k.c`` in float32 (``norm`` = |c|^2, a sequential sum), the dot product
     sequential over D: the arithmetic every label is decided by (the GEMM path only
     preselects the clusters to score)."""
+    kr = keys[b, h, j]  # row views: one base address each, not four indices per element
+    cr = cent[b, h, c]
     dot = _F32(0.0)
-    for d in range(keys.shape[3]):
-        dot += _F32(keys[b, h, j, d]) * cent[b, h, c, d]
+    for d in range(kr.shape[0]):
+        dot += _F32(kr[d]) * cr[d]
     return norm - _F32(2.0) * dot
 
 
@@ -560,27 +565,61 @@ def assign_scan(keys, cent, cl, pi, n_sink, Hkv, t, labels, co, rd):
 @cuda.jit(device=True)
 def _filter(g, n1, q, g2, ca, cb, es):
     """Filter score F = |c^|^2 - 2 g 4^e of one GEMM score g and its bound e = ca |c^|^2 +
-    cb |c^| + es (one expression, inlined in both passes so they round alike)."""
+    cb |c^| + es (n1 = |c^|^2, q = |c^|)."""
     f = n1 - g2 * _F32(g)
-    e = ca * n1 + cb * q + es
+    e = (ca * n1 + cb * q) + es
     return f, e
 
 
 @cuda.jit(device=True)
-def _first_pass(c, g, n1, q, g2, ca, cb, es, U, L1, i1, L2, chk):
-    """One cluster of pass 1: keeps min (F + e), the two smallest F - e and the index of the
-    smallest (strict ``<``, clusters ascending per lane: ties to the lowest index), and the
-    sum of F (non-finite iff some F is, or it overflowed)."""
-    f, e = _filter(g, n1, q, g2, ca, cb, es)
-    chk += f
-    hi = f + e
-    lo = f - e
-    U = min(U, hi)
+def _low(g, n1p, q, g2, cb):
+    """F - e + es of one GEMM score, from ``n1p = |c^|^2 - ca |c^|^2``: the lower end of
+    the score's interval shifted by the row's constant es (an order-preserving shift).
+    Its roundings differ from those of :func:`_filter` by a few ulps of |F| + e, which the
+    bound's safety factor covers hundreds of times over (a candidate set only has to
+    contain the exact minimum)."""
+    return (n1p - g2 * _F32(g)) - cb * q
+
+
+@cuda.jit(device=True)
+def _first_pass(c, g, n1p, q, g2, cb, L1, i1, L2):
+    """One cluster of pass 1: keeps the two smallest :func:`_low` and the index of the
+    smallest (strict ``<``, clusters ascending per lane: ties to the lowest index)."""
+    lo = _low(g, n1p, q, g2, cb)
     L2 = min(L2, max(L1, lo))
     if lo < L1:
         i1 = c
     L1 = min(L1, lo)
-    return U, L1, i1, L2, chk
+    return L1, i1, L2
+
+
+@cuda.jit(device=True)
+def _take_exact(keys, cent, b, h, j, c, norm, bs, bi, nan0):
+    """Exact score of candidate c into a lane's (best score, its cluster, NaN at cluster 0),
+    candidates visited in ascending cluster order: the first minimum wins; a NaN score of
+    cluster 0 keeps label 0, other NaN scores never win (the scan's rule)."""
+    sc = exact_score(keys, cent, b, h, j, c, norm)
+    if sc != sc:
+        if c == 0:
+            nan0 = np.int32(1)
+    elif bi < 0 or sc < bs:
+        bs = sc
+        bi = c
+    return bs, bi, nan0
+
+
+@cuda.jit(device=True)
+def _rescan(c, bd, G, gb, cl, n0, ca, g2, cb, thr, keys, cent, b, h, j, bs, bi, nan0):
+    """Pass 2 of a lane that holds two or more candidates: cluster c's :func:`_low` again
+    (every cluster of a bad row, ``bd != 0``), and its exact score if it is a candidate."""
+    C = cent.shape[2]
+    take = bd != 0
+    if not take:
+        n1 = cl[n0 + C + c]
+        take = _low(G[gb + c], n1 - ca * n1, cl[n0 + 2 * C + c], g2, cb) <= thr
+    if take:
+        bs, bi, nan0 = _take_exact(keys, cent, b, h, j, c, cl[n0 + c], bs, bi, nan0)
+    return bs, bi, nan0
 
 
 @cuda.jit(device=True)
@@ -601,13 +640,19 @@ def assign_gemm(keys, G, G64, r0, nrows, cent, cl, clq, pf, pi, rown, n_sink, Hk
 
     Pass 1 reads the tile's rows together: lane l loads words l, l + LANES, ... of each row
     (VEC scores per load, coalesced) and the VEC clusters' |c^|^2, |c^| once for all rows
-    (``clq``); the last ``live % VEC`` clusters are read one by one. Per row it keeps
-    U = min_c (F + e) and the two smallest F - e; butterfly shuffles reduce them over the
-    warp. If only one cluster has F - e <= U it is the exact float32 argmin. Otherwise
-    pass 2 scores every cluster with F - e <= U by :func:`exact_score` (all live clusters
-    for a row with a non-finite entry) and keeps the first minimum, so the label is always
-    the one :func:`assign_scan` would pick. Rows past the chunk's end repeat its last row
-    (in-bounds loads, results dropped)."""
+    (``clq``); the last ``live % VEC`` clusters are read one by one. Per row each lane keeps
+    the two smallest F - e of its clusters (shifted by the row's constant, :func:`_low`)
+    and the index of the smallest; butterfly shuffles reduce them over the warp. The exact
+    score of a cluster lies in [F - e, F + e], so the exact minimum's cluster has F - e <=
+    U, with U = F + e of the cluster of smallest F - e. If only one cluster of the row
+    passes, it is the exact float32 argmin. Otherwise the candidates are scored by
+    :func:`exact_score` where they are: a lane whose own second smallest F - e passes
+    rescans its clusters (rare), any other lane scores its smallest if that passes, all
+    lanes at once; then the first minimum over the warp. Rows that may hold a
+    non-finite or overflowed score (a non-finite key or centroid, or a key so far out that
+    ``|k^| max|c^|`` could leave float16 range) score every live cluster instead, so the
+    label is always the one :func:`assign_scan` would pick. Rows past the chunk's end
+    repeat its last row (in-bounds loads, results dropped)."""
     p = cuda.blockIdx.y
     b = p // Hkv
     h = p - b * Hkv
@@ -621,6 +666,10 @@ def assign_gemm(keys, G, G64, r0, nrows, cent, cl, clq, pf, pi, rown, n_sink, Hk
     g2 = _F32(2.0) * (up * up)
     nmax = pf[p, 2]
     rn = math.sqrt(nmax)
+    # |g| <= |k^| |c^| in scaled units (Cauchy-Schwarz; float32 accumulation): rows under
+    # this bound on |k^| (original units) have finite float16 scores, by a wide margin.
+    qs = math.sqrt(pf[p, 1]) * (down * down)
+    a_ok = _F32(16384.0) / qs if qs > 0 else _INF
     bad_p = pi[p, 1] != 0
     ca = safe * alpha
     n0 = np.int64(p) * 3 * C  # cl plane offsets of |c|^2, |c^|^2, |c^|
@@ -628,10 +677,8 @@ def assign_gemm(keys, G, G64, r0, nrows, cent, cl, clq, pf, pi, rown, n_sink, Hk
     nqo = n1o + C
     full = live // VEC  # words whose VEC clusters are all live
     rows_end = min(nrows, m - r0)  # chunk rows r < rows_end are middle tokens
-    U = cuda.local.array(ROW_TILE, np.float32)
     L1 = cuda.local.array(ROW_TILE, np.float32)
     L2 = cuda.local.array(ROW_TILE, np.float32)
-    chk = cuda.local.array(ROW_TILE, np.float32)
     es = cuda.local.array(ROW_TILE, np.float32)
     cb = cuda.local.array(ROW_TILE, np.float32)
     i1 = cuda.local.array(ROW_TILE, np.int32)
@@ -650,16 +697,15 @@ def assign_gemm(keys, G, G64, r0, nrows, cent, cl, clq, pf, pi, rown, n_sink, Hk
             i = r0 + r
             a = rown[p, i, 0]
             bn = rown[p, i, 1]
-            bad[k] = 1 if bad_p or not (math.isfinite(a) and math.isfinite(bn)) else 0
+            # (not a < a_ok: also true for NaN a or a_ok)
+            bad[k] = 1 if bad_p or not (math.isfinite(bn) and a < a_ok) else 0
             es[k] = safe * (gs * (nmax + _F32(2.0) * bn * rn) + abs1 * up * a
                             + abs0 * (up * up))
             cb[k] = safe * (beta * a + abs1 * up)
             gw[k] = (np.int64(p) * rows_g + r) * C4
-            U[k] = _INF
             L1[k] = _INF
             L2[k] = _INF
             i1[k] = -1
-            chk[k] = _F32(0.0)
         # Pass 1: VEC clusters per word, words ascending per lane.
         w = np.int64(lane)
         while w < full:
@@ -674,77 +720,81 @@ def assign_gemm(keys, G, G64, r0, nrows, cent, cl, clq, pf, pi, rown, n_sink, Hk
             q3 = clq[p, 1, 3, w]
             for k in range(ROW_TILE):
                 word[k] = G64[_U64(gw[k] + w)]
+            m0 = m0 - ca * m0  # n1p of the four clusters, once for all rows of the tile
+            m1 = m1 - ca * m1
+            m2 = m2 - ca * m2
+            m3 = m3 - ca * m3
             for k in range(ROW_TILE):
-                u_, l1_, i_, l2_, s_ = U[k], L1[k], i1[k], L2[k], chk[k]
+                l1_, i_, l2_ = L1[k], i1[k], L2[k]
                 cbk = cb[k]
-                esk = es[k]
-                u_, l1_, i_, l2_, s_ = _first_pass(c, half[VEC * k], m0, q0, g2, ca, cbk, esk,
-                                                   u_, l1_, i_, l2_, s_)
-                u_, l1_, i_, l2_, s_ = _first_pass(c + 1, half[VEC * k + 1], m1, q1, g2, ca, cbk,
-                                                   esk, u_, l1_, i_, l2_, s_)
-                u_, l1_, i_, l2_, s_ = _first_pass(c + 2, half[VEC * k + 2], m2, q2, g2, ca, cbk,
-                                                   esk, u_, l1_, i_, l2_, s_)
-                u_, l1_, i_, l2_, s_ = _first_pass(c + 3, half[VEC * k + 3], m3, q3, g2, ca, cbk,
-                                                   esk, u_, l1_, i_, l2_, s_)
-                U[k], L1[k], i1[k], L2[k], chk[k] = u_, l1_, i_, l2_, s_
+                l1_, i_, l2_ = _first_pass(c, half[VEC * k], m0, q0, g2, cbk, l1_, i_, l2_)
+                l1_, i_, l2_ = _first_pass(c + 1, half[VEC * k + 1], m1, q1, g2, cbk, l1_, i_,
+                                           l2_)
+                l1_, i_, l2_ = _first_pass(c + 2, half[VEC * k + 2], m2, q2, g2, cbk, l1_, i_,
+                                           l2_)
+                l1_, i_, l2_ = _first_pass(c + 3, half[VEC * k + 3], m3, q3, g2, cbk, l1_, i_,
+                                           l2_)
+                L1[k], i1[k], L2[k] = l1_, i_, l2_
             w += LANES
         # The last live % VEC clusters, one by one.
         c = np.int32(full * VEC) + lane
         while c < live:
             n1 = cl[n1o + c]
+            n1p = n1 - ca * n1
             q = cl[nqo + c]
             for k in range(ROW_TILE):
-                U[k], L1[k], i1[k], L2[k], chk[k] = _first_pass(
-                    c, G[gw[k] * VEC + c], n1, q, g2, ca, cb[k], es[k], U[k], L1[k], i1[k],
-                    L2[k], chk[k])
+                L1[k], i1[k], L2[k] = _first_pass(c, G[gw[k] * VEC + c], n1p, q, g2, cb[k],
+                                                  L1[k], i1[k], L2[k])
             c += LANES
         for k in range(ROW_TILE):
             if k < nval:  # the same for every lane
-                u = U[k]
                 l1 = L1[k]
                 ii = i1[k]
                 l2 = L2[k]
                 bd = bad[k]
-                if not math.isfinite(chk[k]):
-                    bd = np.int32(1)
-                # Warp reduction: min U, the two smallest F - e (ties to the lower index),
-                # any bad; every lane ends with the same values.
+                # Warp reduction: the two smallest F - e + es (ties to the lower index);
+                # every lane ends with the same values. (bad is the same for every lane.)
                 off = LANES // 2
                 while off > 0:
-                    u = min(u, _xor_f32(u, off))
                     lo_ = _xor_f32(l1, off)
                     io_ = _xor_i32(ii, off)
                     l2o = _xor_f32(l2, off)
                     l1, ii, l2 = _merge_two(l1, ii, l2, lo_, io_, l2o)
-                    bd = bd | _xor_i32(bd, off)
                     off //= 2
                 best = ii
                 j = n_sink + r0 + rt + k
-                if bd != 0 or not (l2 > u):
-                    # Pass 2: exact scores of the candidates, first minimum; a NaN score of
-                    # cluster 0 keeps label 0, other NaN scores never win (the scan's rule).
-                    gb = gw[k] * VEC
-                    cbk = cb[k]
-                    esk = es[k]
+                gb = gw[k] * VEC
+                cbk = cb[k]
+                thr = _INF
+                if bd == 0:
+                    # Candidates: F - e <= U = min (F + e), and U <= F + e of the cluster
+                    # with the smallest F - e, so F - e + es <= thr keeps every candidate.
+                    f, e = _filter(G[gb + ii], cl[n1o + ii], cl[nqo + ii], g2, ca, cbk, es[k])
+                    thr = (f + e) + es[k]
+                if bd != 0 or not (l2 > thr):
+                    # Pass 2: exact scores of the candidates, each where pass 1 left it.
                     bs = _F32(0.0)
                     bi = np.int32(-1)
                     nan0 = np.int32(0)
-                    c = np.int32(lane)
-                    while c < live:
-                        take = bd != 0
-                        if not take:
-                            f, e = _filter(G[gb + c], cl[n1o + c], cl[nqo + c], g2, ca, cbk,
-                                           esk)
-                            take = f - e <= u
-                        if take:
-                            sc = exact_score(keys, cent, b, h, j, c, cl[n0 + c])
-                            if sc != sc:
-                                if c == 0:
-                                    nan0 = np.int32(1)
-                            elif bi < 0 or sc < bs:
-                                bs = sc
-                                bi = c
-                        c += LANES
+                    if bd != 0 or not (L2[k] > thr):
+                        # Two or more candidates in this lane (or every cluster of a bad
+                        # row): rescan its clusters in pass 1's order.
+                        w = np.int64(lane)
+                        while w < full:
+                            for x in range(VEC):
+                                bs, bi, nan0 = _rescan(
+                                    np.int32(w * VEC + x), bd, G, gb, cl, n0, ca, g2, cbk,
+                                    thr, keys, cent, b, h, j, bs, bi, nan0)
+                            w += LANES
+                        c = np.int32(full * VEC) + lane
+                        while c < live:
+                            bs, bi, nan0 = _rescan(c, bd, G, gb, cl, n0, ca, g2, cbk, thr,
+                                                   keys, cent, b, h, j, bs, bi, nan0)
+                            c += LANES
+                    elif not (L1[k] > thr):
+                        c = i1[k]
+                        bs, bi, nan0 = _take_exact(keys, cent, b, h, j, c, cl[n0 + c], bs,
+                                                   bi, nan0)
                     off = LANES // 2
                     while off > 0:
                         bo = _xor_f32(bs, off)
