@@ -365,6 +365,10 @@ def _gemm_case(name):
         k = rng.standard_normal((1, 1, 30, 8)).astype(np.float32)
         k[0, 0, 3] = 1e20
         return k, k, np.array([30]), dict(n_clusters=4, iterations=2, n_sink=1, window=2)
+    if name == "far keys":  # finite in float16 once scaled, but |k^| |c^| is out of its range
+        k = rng.standard_normal((1, 1, 40, 8)).astype(np.float32)
+        k[0, 0, [9, 21]] *= 3000.0
+        return k, k, np.array([40]), dict(n_clusters=4, iterations=2, n_sink=1, window=2)
     k, v = _mixture((2, 2, 48, 8), 4, seed=len(name), dtype=np.float16)
     lens = np.array([48, 15])
     kw = dict(n_clusters=6, iterations=3, n_sink=3, window=5)
@@ -378,7 +382,7 @@ def _gemm_case(name):
 
 
 GEMM_CASES = ["mixture, one short sequence", "exact duplicates", "large common offset",
-              "tiny keys", "non-finite keys", "huge keys"]
+              "tiny keys", "non-finite keys", "huge keys", "far keys"]
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
