@@ -30,11 +30,15 @@ precision and order of work (kernels: :mod:`stochattn.cuda._kmeans_kernels`):
   with a proven bound ``e_c`` on the gap between that
   score and the float32 score (float16 rounding of inputs and output, the accumulation,
   the float32 scan's own rounding, times ``1 + 2**-8``): when a single cluster can be the
-  float32 minimum it is the label; otherwise the clusters whose interval reaches the best
-  upper bound are scored exactly, and a row with a non-finite entry (an overflow
-  included) scores every cluster. In a NumPy model of this filter on LLM-like keys
-  (``bench/calibrated.py``, 32k tokens, N/16 clusters) about one token in eight needs
-  the second look, 1.2 candidates on average.
+  float32 minimum it is the label; otherwise the clusters whose interval reaches the
+  upper bound of the cluster with the smallest lower bound are scored exactly, each by
+  the lane that read it (a lane holding two or more rescans its own clusters), and a row
+  that may hold a non-finite or overflowed score (a non-finite key or centroid, or a key
+  so far out that float16 could overflow) scores every cluster. In a NumPy model of this
+  filter on LLM-like keys (``bench/calibrated.py``, N/32 clusters) 3-4% of the tokens
+  need the second look at 32k and about 10% at 128k (a fifth in the first round, against the
+  initial centroids), 1.1-1.2 candidates on average; a lane holds two candidates in
+  0.3-0.9% of the tokens.
 - **Update (deterministic, O(M D)).** A stable counting sort of the tokens by label: the
   integer histogram (built by the assignment), an exclusive scan per problem, a scatter
   (one thread per token), and each token's place inside its cluster = the number of members
@@ -53,7 +57,7 @@ precision and order of work (kernels: :mod:`stochattn.cuda._kmeans_kernels`):
   sequential sums in position order) come from the final labels.
 
 Cost of one round, H problems of M tokens, C clusters, D = 128 (``method="gemm"``): the
-GEMM's 2 H M C D flops, 4 H M C bytes of float16 scores written and read, about 15
+GEMM's 2 H M C D flops, 4 H M C bytes of float16 scores written and read, about 8
 floating-point operations per score in the filter, O(H M D) for the rest, and a handful of
 kernel launches (host time that dominates small problems); ``bench/bench_kmeans.py``
 measures it against torch SDPA's causal prefill.
