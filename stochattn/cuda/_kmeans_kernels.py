@@ -572,6 +572,12 @@ def _filter(g, n1, q, g2, ca, cb, es):
 
 
 @cuda.jit(device=True)
+def _n1p(n1, ca):
+    """``|c^|^2 - ca |c^|^2``, the per-cluster part of :func:`_low`."""
+    return n1 - ca * n1
+
+
+@cuda.jit(device=True)
 def _low(g, n1p, q, g2, cb):
     """F - e + es of one GEMM score, from ``n1p = |c^|^2 - ca |c^|^2``: the lower end of
     the score's interval shifted by the row's constant es (an order-preserving shift).
@@ -609,14 +615,14 @@ def _take_exact(keys, cent, b, h, j, c, norm, bs, bi, nan0):
 
 
 @cuda.jit(device=True)
-def _rescan(c, bd, G, gb, cl, n0, ca, g2, cb, thr, keys, cent, b, h, j, bs, bi, nan0):
+def _rescan(c, bd, G, gb, cl, n0, n1o, nqo, ca, g2, cb, thr, keys, cent, b, h, j, bs, bi,
+            nan0):
     """Pass 2 of a lane that holds two or more candidates: cluster c's :func:`_low` again
-    (every cluster of a bad row, ``bd != 0``), and its exact score if it is a candidate."""
-    C = cent.shape[2]
+    (every cluster of a bad row, ``bd != 0``), and its exact score if it is a candidate
+    (``n0``, ``n1o``, ``nqo``: the problem's offsets of |c|^2, |c^|^2, |c^| in ``cl``)."""
     take = bd != 0
     if not take:
-        n1 = cl[n0 + C + c]
-        take = _low(G[gb + c], n1 - ca * n1, cl[n0 + 2 * C + c], g2, cb) <= thr
+        take = _low(G[gb + c], _n1p(cl[n1o + c], ca), cl[nqo + c], g2, cb) <= thr
     if take:
         bs, bi, nan0 = _take_exact(keys, cent, b, h, j, c, cl[n0 + c], bs, bi, nan0)
     return bs, bi, nan0
@@ -720,10 +726,10 @@ def assign_gemm(keys, G, G64, r0, nrows, cent, cl, clq, pf, pi, rown, n_sink, Hk
             q3 = clq[p, 1, 3, w]
             for k in range(ROW_TILE):
                 word[k] = G64[_U64(gw[k] + w)]
-            m0 = m0 - ca * m0  # n1p of the four clusters, once for all rows of the tile
-            m1 = m1 - ca * m1
-            m2 = m2 - ca * m2
-            m3 = m3 - ca * m3
+            m0 = _n1p(m0, ca)  # once for all rows of the tile
+            m1 = _n1p(m1, ca)
+            m2 = _n1p(m2, ca)
+            m3 = _n1p(m3, ca)
             for k in range(ROW_TILE):
                 l1_, i_, l2_ = L1[k], i1[k], L2[k]
                 cbk = cb[k]
@@ -739,8 +745,7 @@ def assign_gemm(keys, G, G64, r0, nrows, cent, cl, clq, pf, pi, rown, n_sink, Hk
         # The last live % VEC clusters, one by one.
         c = np.int32(full * VEC) + lane
         while c < live:
-            n1 = cl[n1o + c]
-            n1p = n1 - ca * n1
+            n1p = _n1p(cl[n1o + c], ca)
             q = cl[nqo + c]
             for k in range(ROW_TILE):
                 L1[k], i1[k], L2[k] = _first_pass(c, G[gw[k] * VEC + c], n1p, q, g2, cb[k],
@@ -783,13 +788,14 @@ def assign_gemm(keys, G, G64, r0, nrows, cent, cl, clq, pf, pi, rown, n_sink, Hk
                         while w < full:
                             for x in range(VEC):
                                 bs, bi, nan0 = _rescan(
-                                    np.int32(w * VEC + x), bd, G, gb, cl, n0, ca, g2, cbk,
-                                    thr, keys, cent, b, h, j, bs, bi, nan0)
+                                    np.int32(w * VEC + x), bd, G, gb, cl, n0, n1o, nqo, ca,
+                                    g2, cbk, thr, keys, cent, b, h, j, bs, bi, nan0)
                             w += LANES
                         c = np.int32(full * VEC) + lane
                         while c < live:
-                            bs, bi, nan0 = _rescan(c, bd, G, gb, cl, n0, ca, g2, cbk, thr,
-                                                   keys, cent, b, h, j, bs, bi, nan0)
+                            bs, bi, nan0 = _rescan(c, bd, G, gb, cl, n0, n1o, nqo, ca, g2,
+                                                   cbk, thr, keys, cent, b, h, j, bs, bi,
+                                                   nan0)
                             c += LANES
                     elif not (L1[k] > thr):
                         c = i1[k]
