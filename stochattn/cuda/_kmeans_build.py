@@ -217,7 +217,7 @@ class _Build:
         self.comp = buf((H, R1), np.uint64)
         self.hb = buf((H, 2, (1 << self.nbits) + 1), np.int32, zero=True)
         self.pi = buf((H, 2), np.int32)
-        self.pf = buf((H, 3), np.float32, zero=True)
+        self.pf = buf((H, 5), np.float32, zero=True)
         self.cl = buf((H, 3, C), np.float32)
         self.rd = buf((3, iterations + 2, H), np.int32, zero=True)  # row t: round t
         self.co = buf((H, 2, C + 1), np.int32, zero=True)

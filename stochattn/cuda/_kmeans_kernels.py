@@ -13,7 +13,8 @@ so the CPU tests run the same kernel code.
 Scratch layout (few arrays, since every array argument costs host time at each launch):
 
 - ``pi`` (H, 2) int32: M_p, non-finite-centroid flag;
-- ``pf`` (H, 3) float32: squared scale radius, max |c^|^2, max |c|^2 (GEMM path);
+- ``pf`` (H, 5) float32: squared scale radius, max |c^|^2, max |c|^2, and the power-of-two
+  scale's (2**-e, 2**e) from :func:`pow2_scale`, computed once by :func:`centre` (GEMM path);
 - ``cl`` (H, 3, C) float32: |c|^2 (the scan's norm), |c^|^2 and |c^| of the float16
   centred copy c^ (original units);
 - ``clq`` (H, 2, VEC, Cp / VEC) float32: |c^|^2 and |c^| again, cluster ``c`` at
@@ -113,18 +114,41 @@ def _sync():
 
 
 @cuda.jit(device=True)
+def _segment_sum(row, lo, hi):
+    """Integer sum of ``row[lo:hi]`` (eight loads issued ahead; unsigned indices)."""
+    s = 0
+    c = _U64(lo)
+    end = _U64(hi)
+    while c + _U64(8) <= end:
+        x0 = row[c]
+        x1 = row[c + _U64(1)]
+        x2 = row[c + _U64(2)]
+        x3 = row[c + _U64(3)]
+        x4 = row[c + _U64(4)]
+        x5 = row[c + _U64(5)]
+        x6 = row[c + _U64(6)]
+        x7 = row[c + _U64(7)]
+        s += ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+        c += _U64(8)
+    while c < end:
+        s += row[c]
+        c += _U64(1)
+    return s
+
+
+@cuda.jit(device=True)
 def _exclusive_scan(a, p, n, shared):
     """Whole block: ``a[p, 1, :n + 1]`` = exclusive prefix sums of ``a[p, 0, :n]``, then
-    ``a[p, 0, :n] = 0`` (ready to serve as scatter cursors). ``shared``: blockDim int64."""
+    ``a[p, 0, :n] = 0`` (ready to serve as scatter cursors). ``shared``: blockDim int64.
+    Each thread scans a contiguous segment (integer sums: any order gives the same)."""
     tid = cuda.threadIdx.x
     nthr = cuda.blockDim.x
     seg = (n + nthr - 1) // nthr
     lo = tid * seg
     hi = min(lo + seg, n)
-    s = 0
-    for c in range(lo, hi):
-        s += a[p, 0, c]
-    shared[tid] = s
+    cnt = a[p, 0]
+    off = a[p, 1]
+    shared[tid] = _segment_sum(cnt, lo, hi) if lo < hi else 0
     _sync()
     if tid == 0:  # blockDim partial sums, sequentially
         run = 0
@@ -135,10 +159,31 @@ def _exclusive_scan(a, p, n, shared):
         a[p, 1, n] = run
     _sync()
     run = shared[tid]
-    for c in range(lo, hi):
-        a[p, 1, c] = run
-        run += a[p, 0, c]
-        a[p, 0, c] = 0
+    c = _U64(lo)
+    end = _U64(hi) if lo < hi else c
+    while c + _U64(4) <= end:  # four loads ahead of the dependent writes
+        x0 = cnt[c]
+        x1 = cnt[c + _U64(1)]
+        x2 = cnt[c + _U64(2)]
+        x3 = cnt[c + _U64(3)]
+        off[c] = run
+        run += x0
+        off[c + _U64(1)] = run
+        run += x1
+        off[c + _U64(2)] = run
+        run += x2
+        off[c + _U64(3)] = run
+        run += x3
+        cnt[c] = 0
+        cnt[c + _U64(1)] = 0
+        cnt[c + _U64(2)] = 0
+        cnt[c + _U64(3)] = 0
+        c += _U64(4)
+    while c < end:
+        off[c] = run
+        run += cnt[c]
+        cnt[c] = 0
+        c += _U64(1)
     _sync()
 
 
@@ -164,8 +209,11 @@ def exact_score(keys, cent, b, h, j, c, norm):
     kr = keys[b, h, j]  # row views: one base address each, not four indices per element
     cr = cent[b, h, c]
     dot = _F32(0.0)
-    for d in range(kr.shape[0]):
+    d = _U64(0)
+    end = _U64(kr.shape[0])
+    while d < end:  # unsigned index: no wraparound code
         dot += _F32(kr[d]) * cr[d]
+        d += _U64(1)
     return norm - _F32(2.0) * dot
 
 
@@ -211,16 +259,17 @@ def _sumsq2(xs, ys, off, n):
     ascending d (the same arithmetic as a plain loop; four loads issued ahead)."""
     sa = _F32(0.0)
     sb = _F32(0.0)
-    d = 0
-    while d + 4 <= n:
-        a0 = xs[off + d]
-        a1 = xs[off + d + 1]
-        a2 = xs[off + d + 2]
-        a3 = xs[off + d + 3]
-        b0 = ys[off + d]
-        b1 = ys[off + d + 1]
-        b2 = ys[off + d + 2]
-        b3 = ys[off + d + 3]
+    o = _U64(off)
+    end = o + _U64(n)
+    while o + _U64(4) <= end:
+        a0 = xs[o]
+        a1 = xs[o + _U64(1)]
+        a2 = xs[o + _U64(2)]
+        a3 = xs[o + _U64(3)]
+        b0 = ys[o]
+        b1 = ys[o + _U64(1)]
+        b2 = ys[o + _U64(2)]
+        b3 = ys[o + _U64(3)]
         sa += a0 * a0
         sa += a1 * a1
         sa += a2 * a2
@@ -229,31 +278,35 @@ def _sumsq2(xs, ys, off, n):
         sb += b1 * b1
         sb += b2 * b2
         sb += b3 * b3
-        d += 4
-    while d < n:
-        a0 = xs[off + d]
-        b0 = ys[off + d]
+        o += _U64(4)
+    while o < end:
+        a0 = xs[o]
+        b0 = ys[o]
         sa += a0 * a0
         sb += b0 * b0
-        d += 1
+        o += _U64(1)
     return sa, sb
 
 
 @cuda.jit(device=True)
-def _member_sum(arr, bc, b, h, p, n_sink, lo, hi, d):
-    """Sequential float32 sum of ``arr[b, h, n_sink + bc[p, 1, q], d]`` over lo <= q < hi in
-    ascending q (eight member loads issued ahead of the additions, same order)."""
+def _member_sum(rows, order, lo, hi, d):
+    """Sequential float32 sum of ``rows[order[q], d]`` over lo <= q < hi in ascending q
+    (``rows``: a problem's middle-token rows, ``order``: a row of ``bc``; eight member loads
+    issued ahead of the additions, same order). Unsigned indices: no negative-index
+    wraparound code in the loop."""
     acc = _F32(0.0)
-    q = lo
-    while q + 8 <= hi:
-        x0 = _F32(arr[b, h, n_sink + bc[p, 1, q], d])
-        x1 = _F32(arr[b, h, n_sink + bc[p, 1, q + 1], d])
-        x2 = _F32(arr[b, h, n_sink + bc[p, 1, q + 2], d])
-        x3 = _F32(arr[b, h, n_sink + bc[p, 1, q + 3], d])
-        x4 = _F32(arr[b, h, n_sink + bc[p, 1, q + 4], d])
-        x5 = _F32(arr[b, h, n_sink + bc[p, 1, q + 5], d])
-        x6 = _F32(arr[b, h, n_sink + bc[p, 1, q + 6], d])
-        x7 = _F32(arr[b, h, n_sink + bc[p, 1, q + 7], d])
+    du = _U64(d)
+    q = _U64(lo)
+    end = _U64(hi)
+    while q + _U64(8) <= end:
+        x0 = _F32(rows[_U64(order[q]), du])
+        x1 = _F32(rows[_U64(order[q + _U64(1)]), du])
+        x2 = _F32(rows[_U64(order[q + _U64(2)]), du])
+        x3 = _F32(rows[_U64(order[q + _U64(3)]), du])
+        x4 = _F32(rows[_U64(order[q + _U64(4)]), du])
+        x5 = _F32(rows[_U64(order[q + _U64(5)]), du])
+        x6 = _F32(rows[_U64(order[q + _U64(6)]), du])
+        x7 = _F32(rows[_U64(order[q + _U64(7)]), du])
         acc += x0
         acc += x1
         acc += x2
@@ -262,10 +315,10 @@ def _member_sum(arr, bc, b, h, p, n_sink, lo, hi, d):
         acc += x5
         acc += x6
         acc += x7
-        q += 8
-    while q < hi:
-        acc += _F32(arr[b, h, n_sink + bc[p, 1, q], d])
-        q += 1
+        q += _U64(8)
+    while q < end:
+        acc += _F32(rows[_U64(order[q]), du])
+        q += _U64(1)
     return acc
 
 
@@ -282,7 +335,8 @@ def _prep_cluster(cent, b, h, p, c, mu, pf, pi, gemm, cent16, cl, clq, xs, ys):
     nthr = cuda.blockDim.x
     D = cent.shape[3]
     staged = D <= DIM_SHARED
-    down, up = pow2_scale(pf[p, 0])
+    down = pf[p, 3]
+    up = pf[p, 4]
     for d in range(tid, D, nthr):  # the coordinates this thread wrote
         x = cent[b, h, c, d]
         if gemm:
@@ -390,10 +444,15 @@ def seed_rank(pi, shift, comp, hb, bc):
     q = np.int64((key >> _S32) >> shift)
     lo = hb[p, 1, q]
     hi = hb[p, 1, q + 1]
+    keys_p = comp[p]
+    seg = bc[p, 0]
     r = 0
-    for s in range(lo, hi):
-        if comp[p, bc[p, 0, s]] < key:
+    s = _U64(lo)
+    end = _U64(hi)
+    while s < end:
+        if keys_p[_U64(seg[s])] < key:
             r += 1
+        s += _U64(1)
     bc[p, 1, lo + r] = i
 
 
@@ -401,7 +460,8 @@ def seed_rank(pi, shift, comp, hb, bc):
 def centre(keys, bc, pi, n_sink, Hkv, C, mu, pf):
     """One block per problem, threads over D: mu = mean of the first min(live, MU_SAMPLE)
     initial centroids (any vector would do: it only centres the float16 GEMM), and
-    ``pf[p, 0]`` = the largest squared distance of those to mu (it fixes the scale)."""
+    ``pf[p, 0]`` = the largest squared distance of those to mu, which fixes the power-of-two
+    scale ``pf[p, 3:5]`` (:func:`pow2_scale`, once per problem)."""
     p = cuda.blockIdx.x
     b = p // Hkv
     h = p - b * Hkv
@@ -410,10 +470,10 @@ def centre(keys, bc, pi, n_sink, Hkv, C, mu, pf):
     live = m if m < C else C
     cnt = live if live < MU_SAMPLE else MU_SAMPLE
     tid = cuda.threadIdx.x
+    rows = keys[b, h, n_sink:]  # the middle tokens' keys, (tokens, D)
+    order = bc[p, 1]
     for d in range(tid, D, cuda.blockDim.x):
-        acc = _F32(0.0)
-        for r in range(cnt):
-            acc += _F32(keys[b, h, n_sink + bc[p, 1, r], d])
+        acc = _member_sum(rows, order, 0, cnt, d)
         if cnt > 0:
             mu[p, d] = acc / _F32(cnt)
         else:
@@ -423,29 +483,40 @@ def centre(keys, bc, pi, n_sink, Hkv, C, mu, pf):
         pf[p, 1] = _F32(0.0)
         pf[p, 2] = _F32(0.0)
     _sync()
+    mrow = mu[p]
     for r in range(tid, cnt, cuda.blockDim.x):
-        pos = n_sink + bc[p, 1, r]
+        key = rows[_U64(order[_U64(r)])]
         s = _F32(0.0)
         for d in range(D):
-            x = _F32(keys[b, h, pos, d]) - mu[p, d]
+            du = _U64(d)
+            x = _F32(key[du]) - mrow[du]
             s += x * x
         if math.isfinite(s):
             cuda.atomic.max(pf, (p, 0), s)
+    _sync()
+    if tid == 0:
+        down, up = pow2_scale(pf[p, 0])
+        pf[p, 3] = down
+        pf[p, 4] = up
 
 
 @cuda.jit(device=True)
-def _half_elem(keys, mu, b, h, p, n_sink, m, i0, r, d, down, staged, stride, keys16, xs, ys):
-    """One element of :func:`keys_half`'s phase 1 (row i0 + r, coordinate d)."""
-    i = i0 + r
-    if i < m:
-        x = _F32(keys[b, h, n_sink + i, d])
-        y = np.float16((x - mu[p, d]) * down)
-        keys16[p, i, d] = y
+def _half_elem(rows, mrow, m, i0, r, d, down, staged, stride, out16, xs, ys):
+    """One element of :func:`keys_half`'s phase 1 (row i0 + r, coordinate d; ``rows``: the
+    problem's middle-token keys, ``mrow``: its mu, ``out16``: its float16 keys; unsigned
+    indices, no wraparound code)."""
+    i = _U64(i0 + r)
+    du = _U64(d)
+    if i < _U64(m):
+        x = _F32(rows[i, du])
+        y = np.float16((x - mrow[du]) * down)
+        out16[i, du] = y
         if staged:
-            xs[r * stride + d] = x
-            ys[r * stride + d] = _F32(y)
+            o = _U64(r * stride + d)
+            xs[o] = x
+            ys[o] = _F32(y)
     else:
-        keys16[p, i, d] = np.float16(0.0)
+        out16[i, du] = np.float16(0.0)
 
 
 @cuda.jit
@@ -469,21 +540,23 @@ def keys_half(keys, mu, pf, pi, n_sink, Hkv, rows_blk, keys16, rown):
     nr = min(rows_blk, keys16.shape[1] - i0)
     stride = D + 1
     staged = nr * stride <= KH_SHARED
-    down, up = pow2_scale(pf[p, 0])
+    down = pf[p, 3]
+    up = pf[p, 4]
+    rows = keys[b, h, n_sink:]
+    mrow = mu[p]
+    out16 = keys16[p]
     if D <= nthr:  # nthr // D rows at a time
         rstep = nthr // D
         r = tid // D
         d = tid - r * D
         if r < rstep:
             while r < nr:
-                _half_elem(keys, mu, b, h, p, n_sink, m, i0, r, d, down, staged, stride, keys16,
-                           xs, ys)
+                _half_elem(rows, mrow, m, i0, r, d, down, staged, stride, out16, xs, ys)
                 r += rstep
     else:
         for r in range(nr):
             for d in range(tid, D, nthr):
-                _half_elem(keys, mu, b, h, p, n_sink, m, i0, r, d, down, staged, stride, keys16,
-                           xs, ys)
+                _half_elem(rows, mrow, m, i0, r, d, down, staged, stride, out16, xs, ys)
     _sync()
     if tid < nr:
         i = i0 + tid
@@ -668,7 +741,8 @@ def assign_gemm(keys, G, G64, r0, nrows, cent, cl, clq, pf, pi, rown, n_sink, Hk
     live = m if m < C else C
     C4 = clq.shape[3]  # row stride of G in words
     rows_g = G64.shape[0] // (pi.shape[0] * C4)
-    down, up = pow2_scale(pf[p, 0])
+    down = pf[p, 3]
+    up = pf[p, 4]
     g2 = _F32(2.0) * (up * up)
     nmax = pf[p, 2]
     rn = math.sqrt(nmax)
@@ -875,6 +949,19 @@ def fill(labels, pi, rd, co, bc, n_sink, Hkv, t):
     bc[p, 0, co[p, 1, lab] + slot] = i
 
 
+@cuda.jit(device=True)
+def _count_below(seg, lo, hi, i):
+    """Number of entries of ``seg[lo:hi]`` below ``i`` (unsigned indices: a tight loop)."""
+    r = 0
+    s = _U64(lo)
+    end = _U64(hi)
+    while s < end:
+        if seg[s] < i:
+            r += 1
+        s += _U64(1)
+    return r
+
+
 @cuda.jit
 def rank(labels, pi, rd, co, bc, n_sink, Hkv, t):
     """``bc[p, 1]``: each segment sorted by position (a token's place is the number of
@@ -888,11 +975,7 @@ def rank(labels, pi, rd, co, bc, n_sink, Hkv, t):
     lab = labels[b, h, n_sink + i]
     lo = co[p, 1, lab]
     hi = co[p, 1, lab + 1]
-    r = 0
-    for s in range(lo, hi):
-        if bc[p, 0, s] < i:
-            r += 1
-    bc[p, 1, lo + r] = i
+    bc[p, 1, lo + _count_below(bc[p, 0], lo, hi, i)] = i
 
 
 @cuda.jit
@@ -919,9 +1002,11 @@ def mean(keys, bc, co, pi, rd, n_sink, Hkv, t, mu, pf, gemm, cent, cent16, cl, c
         lo = co[p, 1, c]
         hi = co[p, 1, c + 1]
         if hi > lo:
+            rows = keys[b, h, n_sink:]
+            order = bc[p, 1]
+            crow = cent[b, h, c]
             for d in range(tid, D, cuda.blockDim.x):
-                cent[b, h, c, d] = (_member_sum(keys, bc, b, h, p, n_sink, lo, hi, d)
-                                    / _F32(hi - lo))
+                crow[_U64(d)] = _member_sum(rows, order, lo, hi, d) / _F32(hi - lo)
     _prep_cluster(cent, b, h, p, c, mu, pf, pi, gemm, cent16, cl, clq, xs, ys)
 
 
@@ -946,7 +1031,10 @@ def stats(values, bc, co, pi, n_sink, Hkv, sizes, value_sums):
         return
     lo = co[p, 1, c]
     hi = co[p, 1, c + 1]
+    rows = values[b, h, n_sink:]
+    order = bc[p, 1]
+    vrow = value_sums[b, h, c]
     for d in range(tid, D, cuda.blockDim.x):
-        value_sums[b, h, c, d] = _member_sum(values, bc, b, h, p, n_sink, lo, hi, d)
+        vrow[_U64(d)] = _member_sum(rows, order, lo, hi, d)
     if tid == 0:
         sizes[b, h, c] = hi - lo
