@@ -173,9 +173,9 @@ def main(argv=None):
     passes = [0]
     assign = _kmeans_build._Build._assign
 
-    def counted(self, t):
+    def counted(self, t, *rest):
         passes[0] += 1
-        return assign(self, t)
+        return assign(self, t, *rest)
 
     _kmeans_build._Build._assign = counted
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from . import _kmeans_kernels as _k
 from ._kmeans_kernels import cuda
+from ._numba_launch import Bound
 
 _SIM = _k.SIM
 _TPB = _k.TPB
@@ -257,29 +258,69 @@ class _Build:
         _k.seed_centroids[(C, H), self.dim_threads, s](
             self.k, self.bc, self.pi, ns, hkv, self.mu, self.pf, gemm, cent, self.cent16,
             self.cl, self.clq, self.out["n_initialized"])
+        rounds = self._round_launches(gemm)
         flags = _pinned_flags(H)
         events = (_event(), _event())
         final = None
         for t in range(1, self.iterations + 1):
-            self._assign(t)
+            self._assign(t, rounds)
             if t >= 2:
                 # Flags of round t - 1 (the device is busy with round t meanwhile).
                 events[(t - 1) % 2].synchronize()
                 if flags[(t - 1) % 2, :H].all():
                     final = t  # every problem stopped: this assignment is the final one
                     break
-            self._sort(t, final=False)
-            _k.mean[(C, H), self.dim_threads, s](
-                self.k, self.bc, self.co, self.pi, self.rd, ns, hkv, np.int64(t), self.mu,
-                self.pf, gemm, cent, self.cent16, self.cl, self.clq)
+            for name in ("scan_fill", "fill", "rank", "mean"):
+                rounds[name](t)
             self.rd[1, t].copy_to_host(flags[t % 2, :H], stream=s)
             events[t % 2].record(s)
         if final is None:
             final = self.iterations + 1
-            self._assign(final)
-        self._sort(final, final=True)
+            self._assign(final, rounds)
+        # The final pass's CSR (every problem: scan_fill's final flag set).
+        _k.scan_fill[self.H, _k.SCAN_TPB, s](
+            self.co, self.pi, self.rd, ns, hkv, np.int64(C), np.int64(final), np.int32(1),
+            np.float64(self.tol), self.pf)
+        rounds["fill"](final)
+        rounds["rank"](final)
         _k.stats[(C, H), self.dim_threads, s](self.v, self.bc, self.co, self.pi, ns, hkv,
                                               self.out["sizes"], self.out["value_sums"])
+
+    def _round_launches(self, gemm):
+        """The kernels launched every round, their arguments prepared once
+        (:class:`~stochattn.cuda._numba_launch.Bound`; the round number is the mutable
+        scalar): the assignment (GEMM path: one assign_gemm per score chunk), then the CSR
+        of its labels (scan_fill, fill, rank: a stable counting sort by label, each cluster
+        in position order) and the means."""
+        s, ns, hkv, H, C = self.stream, self.ns, self.hkv, self.H, self.C
+        labels, cent = self.out["labels"], self.out["centroids"]
+        t0 = np.int64(1)
+        out = {}
+        if self.gemm:
+            out["assign"] = [
+                (r0, n, Bound(
+                    _k.assign_gemm, (-(-n // (_k.ROW_TILE * _k.TILES_PER_BLOCK)), H), _k.LANES,
+                    s, (self.k, self.G, self.G64, np.int64(r0), np.int64(n), cent, self.cl_flat,
+                        self.clq, self.pf, self.pi, self.rown, ns, hkv, t0, *self.bounds,
+                        labels, self.co, self.rd), mutable=(13,)))
+                for r0, n in ((r0, min(self.Rc, self.R - r0))
+                              for r0 in range(0, self.R, self.Rc))]
+        else:
+            out["assign"] = [(0, 0, Bound(
+                _k.assign_scan, self.row_grid, _TPB, s,
+                (self.k, cent, self.cl, self.pi, ns, hkv, t0, labels, self.co, self.rd),
+                mutable=(6,)))]
+        out["scan_fill"] = Bound(_k.scan_fill, H, _k.SCAN_TPB, s,
+                                 (self.co, self.pi, self.rd, ns, hkv, np.int64(C), t0,
+                                  np.int32(0), np.float64(self.tol), self.pf), mutable=(6,))
+        for name in ("fill", "rank"):
+            out[name] = Bound(getattr(_k, name), self.row_grid, _TPB, s,
+                              (labels, self.pi, self.rd, self.co, self.bc, ns, hkv, t0),
+                              mutable=(7,))
+        out["mean"] = Bound(_k.mean, (C, H), self.dim_threads, s,
+                            (self.k, self.bc, self.co, self.pi, self.rd, ns, hkv, t0, self.mu,
+                             self.pf, gemm, cent, self.cent16, self.cl, self.clq), mutable=(7,))
+        return out
 
     def _seed(self) -> None:
         """Initial order of the middle tokens (``bc[:, 1]``) and, for the GEMM path, the
@@ -301,30 +342,8 @@ class _Build:
             _k.keys_half[rows, _k.KH_TPB, s](self.k, self.mu, self.pf, self.pi, ns, hkv,
                                              np.int64(rows_blk), self.keys16, self.rown)
 
-    def _assign(self, t: int) -> None:
-        s, ns, hkv, H = self.stream, self.ns, self.hkv, self.H
-        labels, cent = self.out["labels"], self.out["centroids"]
-        if not self.gemm:
-            _k.assign_scan[self.row_grid, _TPB, s](self.k, cent, self.cl, self.pi, ns, hkv,
-                                                   np.int64(t), labels, self.co, self.rd)
-            return
-        for r0 in range(0, self.R, self.Rc):
-            n = min(self.Rc, self.R - r0)
-            self.gemm_call(r0, n)
-            grid = (-(-n // (_k.ROW_TILE * _k.TILES_PER_BLOCK)), H)
-            _k.assign_gemm[grid, _k.LANES, s](
-                self.k, self.G, self.G64, np.int64(r0), np.int64(n), cent, self.cl_flat,
-                self.clq, self.pf, self.pi, self.rown, ns, hkv, np.int64(t), *self.bounds,
-                labels, self.co, self.rd)
-
-    def _sort(self, t: int, final: bool) -> None:
-        """CSR of the labels of round t (problems whose round is active; every problem in
-        the final pass), sorted by position inside each cluster."""
-        s, ns, hkv = self.stream, self.ns, self.hkv
-        _k.scan_fill[self.H, _k.SCAN_TPB, s](
-            self.co, self.pi, self.rd, ns, hkv, np.int64(self.C), np.int64(t),
-            np.int32(1 if final else 0), np.float64(self.tol), self.pf)
-        _k.fill[self.row_grid, _TPB, s](self.out["labels"], self.pi, self.rd, self.co, self.bc,
-                                        ns, hkv, np.int64(t))
-        _k.rank[self.row_grid, _TPB, s](self.out["labels"], self.pi, self.rd, self.co, self.bc,
-                                        ns, hkv, np.int64(t))
+    def _assign(self, t: int, rounds) -> None:
+        for r0, n, launch in rounds["assign"]:
+            if self.gemm:
+                self.gemm_call(r0, n)  # this chunk's scores (cuBLAS), then its labels
+            launch(t)

@@ -205,13 +205,40 @@ def pow2_scale(k2):
 def exact_score(keys, cent, b, h, j, c, norm):
     """``|c|^2 - 2 k.c`` in float32 (``norm`` = |c|^2, a sequential sum), the dot product
     sequential over D: the arithmetic every label is decided by (the GEMM path only
-    preselects the clusters to score)."""
+    preselects the clusters to score). Eight elements of each row are loaded ahead of
+    their additions, which stay in ascending d."""
     kr = keys[b, h, j]  # row views: one base address each, not four indices per element
     cr = cent[b, h, c]
     dot = _F32(0.0)
     d = _U64(0)
     end = _U64(kr.shape[0])
-    while d < end:  # unsigned index: no wraparound code
+    while d + _U64(8) <= end:  # unsigned index: no wraparound code
+        k0 = _F32(kr[d])
+        k1 = _F32(kr[d + _U64(1)])
+        k2 = _F32(kr[d + _U64(2)])
+        k3 = _F32(kr[d + _U64(3)])
+        k4 = _F32(kr[d + _U64(4)])
+        k5 = _F32(kr[d + _U64(5)])
+        k6 = _F32(kr[d + _U64(6)])
+        k7 = _F32(kr[d + _U64(7)])
+        c0 = cr[d]
+        c1 = cr[d + _U64(1)]
+        c2 = cr[d + _U64(2)]
+        c3 = cr[d + _U64(3)]
+        c4 = cr[d + _U64(4)]
+        c5 = cr[d + _U64(5)]
+        c6 = cr[d + _U64(6)]
+        c7 = cr[d + _U64(7)]
+        dot += k0 * c0
+        dot += k1 * c1
+        dot += k2 * c2
+        dot += k3 * c3
+        dot += k4 * c4
+        dot += k5 * c5
+        dot += k6 * c6
+        dot += k7 * c7
+        d += _U64(8)
+    while d < end:
         dot += _F32(kr[d]) * cr[d]
         d += _U64(1)
     return norm - _F32(2.0) * dot
