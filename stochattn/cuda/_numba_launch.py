@@ -22,8 +22,9 @@ __all__ = ["Bound"]
 class Bound:
     """``kernel[grid, block, stream](*args)``, prepared once, launched by :meth:`__call__`.
 
-    ``mutable``: positions in ``args`` of integer scalars that :meth:`__call__` may change
-    (``bound(t=...)``-style: ``bound(value)`` sets them all to ``value``).
+    ``mutable``: positions in ``args`` of integer scalars that a call may replace:
+    ``bound(value)`` sets each of them to ``value`` before launching, ``bound()`` launches
+    with the last values.
     """
 
     __slots__ = ("_plain", "_launch", "_stream", "_config", "_kernel", "_args", "_mut",
