@@ -88,6 +88,30 @@ def test_tile_config_options_and_validation():
         _sources.TileConfig(stage_bytes=2048, threads=256)  # half a row per thread at D = 128
 
 
+def test_tc_tiling_sizes_and_validation():
+    """exact_decode_tc.cu's tilings: per-warp K+V rings (reused by the 8-head merge), one
+    tile per warp as the chunk alignment, and every compiled tiling instantiated."""
+    t = _sources.TcTiling(warps=8, rows=16, stages=3)
+    assert (t.threads, t.align(), t.smem_bytes(128), t.smem_bytes(64)) == (256, 128, 196608, 98304)
+    # the merge buffers dominate tiny rings: (2 + D) floats per warp and head, 8 heads
+    assert _sources.TcTiling(2, 16, 2).smem_bytes(128) == max(2 * 2 * 2 * 16 * 256, 130 * 2 * 8 * 4)
+    names = _sources.name_expressions("exact_decode_tc")
+    for tl in _sources.TC_TILINGS:
+        assert f"exact_decode_tc_chunk<stochattn::bf16, 64, {tl.template_args()}>" in names
+    assert "exact_decode_merge<stochattn::f16>" in names
+    with pytest.raises(ValueError, match="shared memory"):
+        _sources.TcTiling(warps=8, rows=32, stages=3)
+    with pytest.raises(ValueError, match="unsupported"):
+        _sources.TcTiling(rows=24)
+    with pytest.raises(ValueError, match="compiled"):
+        _sources.set_tc_tiling(_sources.TcTiling(2, 16, 2))
+    prev = _sources.set_tc_tiling(_sources.TC_TILINGS[-1])
+    try:
+        assert _sources.get_tc_tiling() == _sources.TC_TILINGS[-1]
+    finally:
+        _sources.set_tc_tiling(prev)
+
+
 def test_header_defaults_match_tile_config_defaults():
     """decode_common.cuh's fallback macros equal TileConfig's field defaults (today's tiling),
     so a compile without options and the Python side agree."""

@@ -144,14 +144,16 @@ def choose_chunks(units: int, tokens: int, align: int, slots: int, min_chunk: in
 
 
 def split_tokens(family: str, name: str, smem: int, config, units: int, tokens: int, align: int,
-                 num_chunks=None):
+                 num_chunks=None, threads=None):
     """``(num_chunks, chunk_len)`` of a split-KV launch of kernel ``name``.
 
-    Default: :func:`choose_chunks` for the kernel's occupancy on this device; an explicit
-    ``num_chunks`` (tests, tuning) is honoured with ``chunk_len`` rounded up to ``align``.
+    Default: :func:`choose_chunks` for the kernel's occupancy on this device (``threads``
+    per CTA, default ``config.threads``); an explicit ``num_chunks`` (tests, tuning) is
+    honoured with ``chunk_len`` rounded up to ``align``.
     """
     if num_chunks is None:
-        slots = num_sms() * ctas_per_sm(family, name, config.threads, smem, config)
+        threads = config.threads if threads is None else threads
+        slots = num_sms() * ctas_per_sm(family, name, threads, smem, config)
         return choose_chunks(units, tokens, align, slots)
     chunk_len = math.ceil(math.ceil(tokens / num_chunks) / align) * align
     return math.ceil(tokens / chunk_len), chunk_len

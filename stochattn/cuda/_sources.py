@@ -25,6 +25,10 @@ from pathlib import Path
 
 __all__ = [
     "TileConfig",
+    "TcTiling",
+    "TC_TILINGS",
+    "get_tc_tiling",
+    "set_tc_tiling",
     "DEFAULT_CONFIG",
     "get_config",
     "set_config",
@@ -43,7 +47,8 @@ __all__ = [
 SOURCE_DIR = Path(__file__).resolve().parent
 
 # Kernel family -> source file. One cupy.RawModule per family.
-FAMILIES = {"exact_decode": "exact_decode.cu", "santa_prop": "santa_prop.cu",
+FAMILIES = {"exact_decode": "exact_decode.cu", "exact_decode_tc": "exact_decode_tc.cu",
+            "santa_prop": "santa_prop.cu",
             "santa_flash": "santa_flash.cu", "doublep_decode": "doublep_decode.cu",
             "doublep_append": "doublep_append.cu"}
 
@@ -164,6 +169,73 @@ def set_config(config: TileConfig) -> TileConfig:
     return prev
 
 
+@dataclass(frozen=True)
+class TcTiling:
+    """Tiling of the tensor-core exact decode kernel (``exact_decode_tc.cu``; template
+    parameters, independent of :class:`TileConfig`): ``warps`` per CTA, each streaming its
+    own tiles of ``rows`` keys (a multiple of 16) through ``stages`` cp.async buffers of K
+    and V."""
+
+    warps: int = 8
+    rows: int = 16
+    stages: int = 3
+
+    def __post_init__(self):
+        if self.warps not in (2, 4, 8) or self.rows not in (16, 32, 64) \
+                or not 2 <= self.stages <= 8:
+            raise ValueError(f"unsupported tensor-core tiling: {self}")
+        if self.smem_bytes(max(HEAD_DIMS)) > _SMEM_LIMIT:
+            raise ValueError(f"tensor-core tiling {self} needs {self.smem_bytes(max(HEAD_DIMS))} "
+                             f"bytes of shared memory at head_dim {max(HEAD_DIMS)}, the limit is "
+                             f"{_SMEM_LIMIT}")
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def smem_bytes(self, head_dim: int) -> int:
+        """Per-warp K+V rings, reused by the cross-warp merge ((2 + D) floats per warp and
+        head, 8 heads)."""
+        rings = self.warps * self.stages * 2 * self.rows * head_dim * 2
+        return max(rings, (2 + head_dim) * self.warps * 8 * 4)
+
+    def align(self) -> int:
+        """Chunk lengths are multiples of this: one tile per warp."""
+        return self.warps * self.rows
+
+    def template_args(self) -> str:
+        return f"{self.warps}, {self.rows}, {self.stages}"
+
+    def label(self) -> str:
+        return f"tc w{self.warps} r{self.rows} s{self.stages}"
+
+
+_SMEM_LIMIT = 227 * 1024  # sm_90: dynamic shared memory per CTA
+
+# Every tensor-core tiling that is compiled (one instantiation per dtype and head dim
+# each); the first is the default. bench/tune_exact_tc.py compares them. H200, Hq 32 / Hkv 8
+# / D 128, three runs (2026-12-04): all four within ~2% of each other at batch 8 and 32
+# (103-110% of the 4.25 TB/s K+V floor); w8 r16 s3 is the fastest at batch 1 (CUDA-graph
+# replay at 32k: 36 us against 38 us for the others), the shape furthest from the floor,
+# and gives up ~1.5% at batch 32 / 128k against w4 r32 s2.
+TC_TILINGS = (TcTiling(8, 16, 3), TcTiling(4, 16, 3), TcTiling(4, 16, 4), TcTiling(4, 32, 2))
+_active_tc = [TC_TILINGS[0]]
+
+
+def get_tc_tiling() -> TcTiling:
+    """The tensor-core tiling that ``exact_decode(..., kernel="tc")`` launches now."""
+    return _active_tc[0]
+
+
+def set_tc_tiling(tiling: TcTiling) -> TcTiling:
+    """Launch ``tiling`` (one of :data:`TC_TILINGS`) from now on (tuning); returns the
+    previous one."""
+    if tiling not in TC_TILINGS:
+        raise ValueError(f"`tiling` must be one of the compiled {TC_TILINGS}, got {tiling!r}")
+    prev, _active_tc[0] = _active_tc[0], tiling
+    return prev
+
+
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 
 
@@ -214,6 +286,11 @@ def name_expressions(family: str, dtypes=None) -> list:
                 for gm in GROUP_MAXES:
                     names.append(f"exact_decode_chunk<{ctype}, {d}, {gm}>")
             names.append(f"exact_decode_merge<{ctype}>")
+        elif family == "exact_decode_tc":
+            for d in HEAD_DIMS:
+                for t in TC_TILINGS:
+                    names.append(f"exact_decode_tc_chunk<{ctype}, {d}, {t.template_args()}>")
+            names.append(f"exact_decode_merge<{ctype}>")  # included from exact_decode.cu
         elif family == "santa_prop":
             for d in HEAD_DIMS:
                 for gm in GROUP_MAXES:

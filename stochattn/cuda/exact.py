@@ -1,4 +1,5 @@
-"""Exact decode attention on the GPU: split-KV ("flash decoding") CUDA kernel."""
+"""Exact decode attention on the GPU: split-KV ("flash decoding") CUDA kernels, on the CUDA
+cores or on the tensor cores, and their shared merge."""
 
 from __future__ import annotations
 
@@ -8,7 +9,16 @@ import numpy as np
 
 from . import _inputs, _module, _sources
 
-__all__ = ["exact_decode"]
+__all__ = ["exact_decode", "KERNELS", "DEFAULT_KERNEL"]
+
+# The chunk kernels: "simt" (exact_decode.cu: CUDA-core dot products and sums) and "tc"
+# (exact_decode_tc.cu: mma.sync on the tensor cores). The default is the faster one at the
+# Llama-3.1-8B decode shape (bench/tune_exact_tc.py, H200, three runs on 2026-12-04): "tc"
+# took 0.78-0.92x the time of "simt" at batch 8 and 32, 32k and 128k, fp16 and bf16 (98-110%
+# of the K+V bandwidth floor, within ~2% of torch SDPA; "simt" 83-94%), and 0.78-0.85x at
+# batch 1 / 128k.
+KERNELS = ("simt", "tc")
+DEFAULT_KERNEL = "tc"
 
 
 def _tile_rows(head_dim: int, config=None) -> int:
@@ -17,7 +27,7 @@ def _tile_rows(head_dim: int, config=None) -> int:
 
 
 def exact_decode(q, k, v, seq_lens=None, *, softmax_scale=None, num_chunks=None,
-                 check_seq_lens=False):
+                 check_seq_lens=False, kernel=None):
     """Exact softmax attention of one decode step, on the GPU.
 
     Parameters
@@ -40,6 +50,12 @@ def exact_decode(q, k, v, seq_lens=None, *, softmax_scale=None, num_chunks=None,
     check_seq_lens : bool
         Check the values of GPU ``seq_lens`` against [0, N] (one device-to-host copy of B
         integers and a synchronisation). Off by default: decode loops should not sync.
+    kernel : {"simt", "tc"}, optional
+        The chunk kernel: "simt" computes the dot products and weighted sums on the CUDA
+        cores in fp32; "tc" on the tensor cores (mma.sync m16n8k16, fp32 accumulate; the
+        softmax weights are rounded to the input dtype before the weighted V sum, as in
+        FlashAttention). Default (None): :data:`DEFAULT_KERNEL`. Both split the token axis
+        and share the merge kernel.
 
     Returns
     -------
@@ -63,32 +79,48 @@ def exact_decode(q, k, v, seq_lens=None, *, softmax_scale=None, num_chunks=None,
     >>> exact_decode(q, k, k).shape
     (1, 32, 128)
     """
+    if kernel is None:
+        kernel = DEFAULT_KERNEL
+    elif kernel not in KERNELS:
+        raise ValueError(f"`kernel` must be one of {', '.join(map(repr, KERNELS))} or None, "
+                         f"got {kernel!r}")
     inp = _inputs.gather(q, k, v)
     config = _sources.get_config()
+    tiling = _sources.get_tc_tiling() if kernel == "tc" else None
     key = ("exact_decode", inp.key, type(softmax_scale), softmax_scale, type(num_chunks), num_chunks,
-           config)
-    plan = _inputs.cached_plan(key, lambda: _ExactPlan(inp, softmax_scale, num_chunks, config))
+           config, kernel, tiling)
+    plan = _inputs.cached_plan(key, lambda: _ExactPlan(inp, softmax_scale, num_chunks, config,
+                                                       tiling))
     return plan.run(inp, seq_lens, check_seq_lens)
 
 
 class _ExactPlan:
     """Everything one configuration of :func:`exact_decode` needs, resolved once."""
 
-    def __init__(self, inp, softmax_scale, num_chunks, config):
+    def __init__(self, inp, softmax_scale, num_chunks, config, tiling=None):
+        """``tiling``: a :class:`_sources.TcTiling` for the tensor-core kernel, None for
+        the CUDA-core one."""
         s, scale, self.device, dtype_name = _inputs.base_plan(inp, softmax_scale)
         num_chunks = _inputs.check_num_chunks(num_chunks)
         self.shape = s
         ctype = _sources.CTYPES[dtype_name]
-        rows = _tile_rows(s.head_dim, config)
-        self.threads = config.threads
         gm = _sources.group_max(s.group)
-        smem = config.smem_bytes("exact_decode", s.head_dim, gm)
-        with _inputs.device_scope(self.device):
+        if tiling is None:
+            family = "exact_decode"
             name = f"exact_decode_chunk<{ctype}, {s.head_dim}, {gm}>"
-            self.chunk = _module.launcher("exact_decode", name, smem, config)
-            chunks, chunk_len = _module.split_tokens("exact_decode", name, smem, config,
-                                                     s.batch * s.kv_heads, s.tokens, rows, num_chunks)
-            self.merge = _module.launcher("exact_decode", f"exact_decode_merge<{ctype}>", 0, config) \
+            align, self.threads = _tile_rows(s.head_dim, config), config.threads
+            smem = config.smem_bytes("exact_decode", s.head_dim, gm)
+        else:
+            family = "exact_decode_tc"
+            name = f"exact_decode_tc_chunk<{ctype}, {s.head_dim}, {tiling.template_args()}>"
+            align, self.threads = tiling.align(), tiling.threads
+            smem = tiling.smem_bytes(s.head_dim)
+        with _inputs.device_scope(self.device):
+            self.chunk = _module.launcher(family, name, smem, config)
+            chunks, chunk_len = _module.split_tokens(family, name, smem, config,
+                                                     s.batch * s.kv_heads, s.tokens, align, num_chunks,
+                                                     threads=self.threads)
+            self.merge = _module.launcher(family, f"exact_decode_merge<{ctype}>", 0, config) \
                 if chunks > 1 else None
         self.chunks, self.chunk_len = chunks, chunk_len
         self.grid = (chunks, s.kv_heads, s.batch)

@@ -64,8 +64,9 @@ __device__ __forceinline__ void accumulate_stage(float (&x)[Tiling<D>::kRowsPerT
 // Warp states in shared memory (m, l: [kWarps][GMAX] floats each at `smem`, then
 // acc: [kWarps][GMAX][D] floats; warps that saw nothing hold m = -inf, l = 0, acc = 0)
 // -> the G heads' output rows (num_chunks == 1) or normalised partial and (max, sum) at
-// slot `chunk`. The caller has synchronised after filling the buffers.
-template <typename T, int D, int GMAX>
+// slot `chunk`. The caller has synchronised after filling the buffers. WARPS and THREADS:
+// the CTA's shape (the tiling macros' by default; exact_decode_tc.cu has its own).
+template <typename T, int D, int GMAX, int WARPS = kWarps, int THREADS = kThreads>
 __device__ __forceinline__ void combine_warps_and_write(const unsigned char* smem, int G,
                                                         long long head0, T* __restrict__ out,
                                                         float* __restrict__ part_o,
@@ -73,18 +74,18 @@ __device__ __forceinline__ void combine_warps_and_write(const unsigned char* sme
                                                         int num_chunks, int chunk) {
   const int tid = threadIdx.x;
   const float* sm_m = reinterpret_cast<const float*>(smem);
-  const float* sm_l = sm_m + kWarps * GMAX;
-  const float* sm_acc = sm_l + kWarps * GMAX;
+  const float* sm_l = sm_m + WARPS * GMAX;
+  const float* sm_acc = sm_l + WARPS * GMAX;
 
-  for (int i = tid; i < G * D; i += kThreads) {
+  for (int i = tid; i < G * D; i += THREADS) {
     const int g = i / D, d = i % D;
     float M = STOCHATTN_NEG_INF;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, sm_m[w * GMAX + g]);
+    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, sm_m[w * GMAX + g]);
     float L = 0.f, o = 0.f;
     if (M != STOCHATTN_NEG_INF) {
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
+      for (int w = 0; w < WARPS; ++w) {
         const float c = exp2f(sm_m[w * GMAX + g] - M);  // warps that saw nothing: 0
         L = fmaf(sm_l[w * GMAX + g], c, L);
         o = fmaf(sm_acc[(w * GMAX + g) * D + d], c, o);
@@ -105,12 +106,12 @@ __device__ __forceinline__ void combine_warps_and_write(const unsigned char* sme
 }
 
 // A CTA that saw no row: zero output rows, or an empty partial (o = 0, m = -inf, l = 0).
-template <typename T, int D>
+template <typename T, int D, int THREADS = kThreads>
 __device__ __forceinline__ void write_empty_group(int G, long long head0, T* __restrict__ out,
                                                   float* __restrict__ part_o,
                                                   float* __restrict__ part_ml, int num_chunks,
                                                   int chunk) {
-  for (int i = threadIdx.x; i < G * D; i += kThreads) {
+  for (int i = threadIdx.x; i < G * D; i += THREADS) {
     const int g = i / D, d = i % D;
     const long long hrow = head0 + g;
     if (num_chunks == 1) {

@@ -1,4 +1,5 @@
-"""GPU exact decode (stochattn/cuda/exact_decode.cu) against the float64 reference.
+"""GPU exact decode (stochattn/cuda/exact_decode.cu, and the tensor-core variant
+exact_decode_tc.cu: every test runs for both chunk kernels) against the float64 reference.
 
 Tolerance rule (flash-attention's): the kernel's max error against float64 must be at most
 twice the max error of a naive attention computed in the input precision, plus 1e-5.
@@ -13,22 +14,25 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from stochattn.cuda.exact import exact_decode  # noqa: E402
+from stochattn.cuda import _sources  # noqa: E402
+from stochattn.cuda.exact import KERNELS, exact_decode  # noqa: E402
 from stochattn.reference.exact import exact_attention as ref_exact  # noqa: E402
 
 from gpu_helpers import naive_attention, peaked_inputs, to_device, to_host64  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
+kernels = pytest.mark.parametrize("kernel", KERNELS)
 
-def _check(dtype, B, Hkv, G, N, D, lens, *, seed, num_chunks=None, temp=2.0):
+
+def _check(dtype, B, Hkv, G, N, D, lens, *, seed, kernel, num_chunks=None, temp=2.0):
     q, k, v = peaked_inputs(B, Hkv, G, N, D, seed=seed, temp=temp)
     qd, kd, vd = to_device(q, dtype), to_device(k, dtype), to_device(v, dtype)
     # The reference sees exactly the rounded inputs the kernel sees.
     q64, k64, v64 = to_host64(qd), to_host64(kd), to_host64(vd)
     scale = 1.0 / math.sqrt(D)
     lens_arr = None if lens is None else np.asarray(lens, dtype=np.int32)
-    out = exact_decode(qd, kd, vd, lens_arr, num_chunks=num_chunks)
+    out = exact_decode(qd, kd, vd, lens_arr, num_chunks=num_chunks, kernel=kernel)
     assert tuple(out.shape) == (B, Hkv * G, D)
     assert str(out.dtype).replace("torch.", "") == dtype
     got = to_host64(out)
@@ -42,38 +46,62 @@ def _check(dtype, B, Hkv, G, N, D, lens, *, seed, num_chunks=None, temp=2.0):
     return got, ref
 
 
+@kernels
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("G", [1, 3, 8])
 @pytest.mark.parametrize("N", [1, 13, 257, 1999])
-def test_exact_matches_reference(dtype, D, G, N):
-    _check(dtype, 2, 2, G, N, D, None, seed=N * 131 + G * 7 + D)
+def test_exact_matches_reference(dtype, D, G, N, kernel):
+    _check(dtype, 2, 2, G, N, D, None, seed=N * 131 + G * 7 + D, kernel=kernel)
 
 
+@kernels
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("num_chunks", [None, 1, 3, 64])
-def test_exact_seq_lens_and_chunks(dtype, num_chunks):
+def test_exact_seq_lens_and_chunks(dtype, num_chunks, kernel):
     """Per-sequence lengths, including 0 (zero row) and 1 (output = v[0]); forced chunk
     counts exercise the single-chunk path, the merge and chunks past a sequence's end."""
     lens = [0, 1, 700, 517]
-    got, ref = _check(dtype, 4, 2, 4, 700, 128, lens, seed=5, num_chunks=num_chunks)
+    got, ref = _check(dtype, 4, 2, 4, 700, 128, lens, seed=5, num_chunks=num_chunks, kernel=kernel)
     np.testing.assert_array_equal(got[0], 0.0)
 
 
-def test_exact_large_logits_do_not_overflow():
+@pytest.mark.parametrize("tiling", _sources.TC_TILINGS, ids=lambda t: t.label().replace(" ", "-"))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_exact_tc_tilings(dtype, tiling):
+    """Every compiled tensor-core tiling (bench/tune_exact_tc.py times them): ragged lengths
+    that end mid-tile, several chunks, head dims 128 and 64."""
+    prev = _sources.set_tc_tiling(tiling)
+    try:
+        _check(dtype, 3, 2, 4, 1000, 128, [1000, 333, 0], seed=17, num_chunks=3, kernel="tc")
+        _check(dtype, 2, 1, 6, 517, 64, [1, 517], seed=18, kernel="tc")
+    finally:
+        _sources.set_tc_tiling(prev)
+
+
+@kernels
+def test_exact_large_logits_do_not_overflow(kernel):
     """|logits| ~ 1e4 in fp16: max-shifted exp, no inf/NaN, still within the rule."""
-    got, ref = _check("float16", 1, 2, 4, 300, 64, None, seed=3, temp=400.0)
+    got, ref = _check("float16", 1, 2, 4, 300, 64, None, seed=3, temp=400.0, kernel=kernel)
     assert np.isfinite(got).all()
 
 
-def test_exact_torch_stream_and_roundtrip():
+def test_exact_kernel_argument():
+    q = cupy.zeros((1, 4, 64), dtype=cupy.float16)
+    k = cupy.zeros((1, 2, 10, 64), dtype=cupy.float16)
+    with pytest.raises(ValueError, match="`kernel` must be one of 'simt', 'tc' or None, got 'wgmma'"):
+        exact_decode(q, k, k, kernel="wgmma")
+
+
+@kernels
+def test_exact_torch_stream_and_roundtrip(kernel):
     """torch in -> torch out on torch's current stream (a side stream here)."""
     torch = pytest.importorskip("torch")
     q, k, v = peaked_inputs(2, 2, 2, 333, 128, seed=11)
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         qt, kt, vt = (torch.tensor(a, device="cuda").half() for a in (q, k, v))
-        out = exact_decode(qt, kt, vt)
+        out = exact_decode(qt, kt, vt, kernel=kernel)
         assert isinstance(out, torch.Tensor) and out.dtype == torch.float16
     s.synchronize()
     ref = ref_exact(qt.double().cpu().numpy(), kt.double().cpu().numpy(), vt.double().cpu().numpy(),
@@ -99,7 +127,8 @@ def test_exact_validation_messages():
         exact_decode(q, k, k, np.array([11], dtype=np.int32))
 
 
-def test_exact_64bit_offsets():
+@kernels
+def test_exact_64bit_offsets(kernel):
     """One stream longer than 2**31 elements (N * D > 2**31): all keys 0 except a planted
     one past element 2**31 with logit 20; the output has a closed form."""
     D, N = 128, (1 << 31) // 128 + 4096
@@ -117,7 +146,7 @@ def test_exact_64bit_offsets():
     q[0, 0, 0] = 1.0
     k[0, 0, p, 0] = 20.0 * math.sqrt(D)  # logit = scale * q.k = 20 (exact in fp16: 226.3 -> rounded)
     x = float(cupy.asnumpy(k[0, 0, p, 0]).astype(np.float64)) / math.sqrt(D)
-    out = cupy.asnumpy(exact_decode(q, k, v)).astype(np.float64)[0, 0]
+    out = cupy.asnumpy(exact_decode(q, k, v, kernel=kernel)).astype(np.float64)[0, 0]
     vsum = cupy.asnumpy(v[0, 0].astype(cupy.float64).sum(axis=0))
     vp = cupy.asnumpy(v[0, 0, p]).astype(np.float64)
     ref = (vsum - vp + math.exp(x) * vp) / (N - 1 + math.exp(x))

@@ -1,0 +1,320 @@
+// Exact decode attention, split-KV, on the tensor cores (mma.sync.m16n8k16, fp32 accumulate).
+//
+// Same contract and grid as exact_decode_chunk (exact_decode.cu): grid (num_chunks, Hkv, B),
+// one CTA per (sequence b, KV head, chunk of tokens) computes the G <= 8 query heads of the
+// GQA group, writes the output (one chunk) or the normalised partial output and its
+// (max, sum) in the log2 domain, which exact_decode_merge combines.
+//
+// FlashAttention-2 style, with the group's query heads as the M dimension (16 rows, rows
+// >= G zero):
+//   S^T = Q (16 x D) . K_tile^T   A = the queries, loaded once into registers;
+//                                 B = K rows from shared memory by ldmatrix (K is row-major
+//                                 (N, D), the "col" layout B needs); one mma gives 16 heads
+//                                 x 8 key rows.
+//   online softmax per head, fp32, log2 domain (exp2f; the scale * log2(e) is applied to
+//   the fp32 logits, so the queries enter the mma unrounded); rows past the end get -inf.
+//   O += P (16 x 16 keys) . V_tile  A = P straight from the S accumulators of two adjacent
+//                                 n8 tiles (the accumulator fragment of an m16n8 tile is the
+//                                 A fragment of the m16k16 operand), rounded to T;
+//                                 B = V rows by ldmatrix.trans.
+// The softmax sum l adds the rounded weights, so the output is an exact convex
+// combination of V rows with the weights the mma used.
+//
+// Pipeline: each warp streams its own tiles (tiles w, w + WARPS, ... of the chunk: a chunk
+// cut short by seq_lens stays balanced over the warps) through its own STAGES-deep cp.async
+// ring of K and V tiles, so the loop needs __syncwarp only, no CTA barrier. The 16-byte
+// pieces of a row are XOR-swizzled (piece c of row r at c ^ (r & 7)) so that the 8 row
+// addresses of an ldmatrix 8x8 matrix hit 8 different bank groups.
+//
+// Template parameters: element type T (stochattn::f16, stochattn::bf16), head dim D (64,
+// 128), WARPS per CTA, ROWS per tile (a multiple of 16), STAGES (>= 2); _sources.TcTiling
+// lists the compiled ones. The register arrays always hold 8 heads (the m16 rows 8..15 are
+// never computed); G <= 8 is a run-time value. Inline PTX only (mma, ldmatrix, cvt): no
+// CUDA headers (decode_common.cuh).
+//
+// Occupancy (sm_90, D 128): WARPS 8, ROWS 16, STAGES 3 takes 192 KB of rings (one CTA of 8
+// warps per SM, 158 registers); the 4-warp tilings take about 200 registers (the compiler
+// keeps a whole tile's ldmatrix results live), fine for a kernel bound by HBM. The launch
+// bound's minimum of 1 CTA stops ptxas from capping registers (it spilled at D 64, 8 warps).
+#include "decode_common.cuh"
+#include "group_state.cuh"
+#include "exact_decode.cu"
+
+namespace stochattn {
+namespace tc {
+
+// Two floats -> one 32-bit word of two T, `lo` at the lower address (the mma's element
+// order: lower column in the low half). cvt.rn.{f16x2,bf16x2}.f32 d, a, b puts a in the
+// upper half.
+template <typename T>
+struct Pack;
+
+template <>
+struct Pack<f16> {
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+};
+
+template <>
+struct Pack<bf16> {
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+};
+
+// D += A . B for one m16n8k16 tile with A rows 8..15 zero (a1 = a3 = 0) and the accumulator
+// rows 8..15 discarded: d0, d1 are row groupID, columns 2 tig, 2 tig + 1.
+template <typename T>
+__device__ __forceinline__ void mma_rows8(float& d0, float& d1, unsigned a0, unsigned a2,
+                                          unsigned b0, unsigned b1);
+
+template <>
+__device__ __forceinline__ void mma_rows8<f16>(float& d0, float& d1, unsigned a0, unsigned a2,
+                                               unsigned b0, unsigned b1) {
+  float u2, u3;  // rows 8..15: zero, unused
+  asm(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%10, %11, %12, %13};\n"
+      : "=f"(d0), "=f"(d1), "=f"(u2), "=f"(u3)
+      : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(d0), "f"(d1), "f"(0.f),
+        "f"(0.f));
+}
+
+template <>
+__device__ __forceinline__ void mma_rows8<bf16>(float& d0, float& d1, unsigned a0, unsigned a2,
+                                                unsigned b0, unsigned b1) {
+  float u2, u3;  // rows 8..15: zero, unused
+  asm(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%10, %11, %12, %13};\n"
+      : "=f"(d0), "=f"(d1), "=f"(u2), "=f"(u3)
+      : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(d0), "f"(d1), "f"(0.f),
+        "f"(0.f));
+}
+
+// Four 8x8 matrices of 16-bit elements from shared memory; lane 8 i + j gives the address
+// of row j of matrix i. Non-transposed: lane t gets row t / 4, elements 2 (t % 4) + {0, 1}
+// of matrix i in r[i]; transposed: elements (2 (t % 4) + {0, 1}, t / 4).
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// Byte offset of 16-byte piece c of row r in a swizzled tile of rows of D elements.
+template <int D>
+__device__ __forceinline__ int swz(int r, int c) {
+  return r * (D * 2) + ((c ^ (r & 7)) << 4);
+}
+
+// One warp's cp.async copies of a tile of ROWS rows starting at row0 (K and V), rows at or
+// past `end` zero-filled (their logits are masked to -inf; zeros keep 0 * V finite).
+template <int D, int ROWS>
+__device__ __forceinline__ void load_tile(unsigned char* sk, unsigned char* sv,
+                                          const unsigned char* kbase, const unsigned char* vbase,
+                                          long long row0, long long end, int lane) {
+  constexpr int kPieces = D / 8;  // 16-byte pieces per row
+  constexpr int kPerLane = ROWS * kPieces / 32;
+  static_assert(kPerLane * 32 == ROWS * kPieces, "a tile must split evenly over the lanes");
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    const int p = lane + 32 * j;
+    const int r = p / kPieces, c = p % kPieces;
+    const bool valid = row0 + r < end;
+    const long long off = valid ? (row0 + r) * (D * 2) + c * 16 : 0;  // a legal address
+    cp_async16(sk + swz<D>(r, c), kbase + off, valid);
+    cp_async16(sv + swz<D>(r, c), vbase + off, valid);
+  }
+}
+
+}  // namespace tc
+}  // namespace stochattn
+
+template <typename T, int D, int WARPS, int ROWS, int STAGES>
+__global__ void __launch_bounds__(WARPS * 32, 1)
+exact_decode_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                      const int* __restrict__ seq_lens, T* __restrict__ out,
+                      float* __restrict__ part_o, float* __restrict__ part_ml, int Hkv, int G,
+                      long long N, long long chunk_len, int num_chunks, float scale_log2) {
+  using namespace stochattn;
+  static_assert(D == 64 || D == 128, "head_dim must be 64 or 128");
+  static_assert(ROWS % 16 == 0 && ROWS >= 16 && ROWS <= 128, "ROWS: a multiple of 16");
+  static_assert(STAGES >= 2 && STAGES <= 8, "STAGES must be in [2, 8]");
+  constexpr int kThreadsTc = WARPS * 32;
+  constexpr int KS = D / 16;           // k16 steps of the q.k products
+  constexpr int NT = ROWS / 8;         // n8 tiles of keys per tile
+  constexpr int NO = D / 8;            // n8 tiles of output features
+  constexpr int kTileBytes = ROWS * D * 2;
+  constexpr int kStageBytesTc = 2 * kTileBytes;  // K then V
+
+  const int chunk = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int Hq = Hkv * G;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int grp = lane >> 2, tig = lane & 3;  // mma fragment coordinates
+
+  const long long len = sequence_length(seq_lens, b, N);
+  const long long start = (long long)chunk * chunk_len;
+  const long long end = min(start + chunk_len, len);
+  const long long head0 = (long long)b * Hq + (long long)kvh * G;  // first query head row
+
+  unsigned char* smem = dynamic_smem();
+  if (start >= end) {  // nothing in this chunk (past seq_lens[b], or an empty sequence)
+    write_empty_group<T, D, kThreadsTc>(G, head0, out, part_o, part_ml, num_chunks, chunk);
+    return;
+  }
+
+  // A fragments of the queries: head grp (zero for grp >= G), features 16 s + 2 tig + {0, 1}
+  // (qa[s][0]) and 16 s + 8 + 2 tig + {0, 1} (qa[s][1]).
+  unsigned qa[KS][2];
+  {
+    const unsigned* qrow = reinterpret_cast<const unsigned*>(q + (head0 + grp) * D);
+#pragma unroll
+    for (int s = 0; s < KS; ++s) {
+      qa[s][0] = grp < G ? qrow[8 * s + tig] : 0u;
+      qa[s][1] = grp < G ? qrow[8 * s + 4 + tig] : 0u;
+    }
+  }
+
+  const long long stream_off = ((long long)b * Hkv + kvh) * N * D;  // 64-bit element offset
+  const unsigned char* kbase = reinterpret_cast<const unsigned char*>(k + stream_off);
+  const unsigned char* vbase = reinterpret_cast<const unsigned char*>(v + stream_off);
+  const long long ntiles = (end - start + ROWS - 1) / ROWS;
+  // This warp's tiles: warp, warp + WARPS, ...
+  const int my_tiles = ntiles > warp ? (int)((ntiles - warp + WARPS - 1) / WARPS) : 0;
+  unsigned char* ring = smem + warp * (STAGES * kStageBytesTc);
+  const unsigned ring_s = static_cast<unsigned>(__cvta_generic_to_shared(ring));
+  auto tile_row0 = [&](int i) { return start + ((long long)i * WARPS + warp) * ROWS; };
+
+  // Prologue: the first STAGES - 1 tiles in flight (empty groups keep the count uniform).
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < my_tiles) {
+      unsigned char* st = ring + s * kStageBytesTc;
+      tc::load_tile<D, ROWS>(st, st + kTileBytes, kbase, vbase, tile_row0(s), end, lane);
+    }
+    cp_async_commit();
+  }
+
+  // Online softmax state of head grp: m (the quad's shared max, log2 domain), l (this
+  // lane's partial sum; the quad's are added at the end), o[n] features 8 n + 2 tig + {0,1}.
+  float m = STOCHATTN_NEG_INF, l = 0.f;
+  float o[NO][2];
+#pragma unroll
+  for (int n = 0; n < NO; ++n) o[n][0] = o[n][1] = 0.f;
+
+  // ldmatrix lane roles. K (non-transposed): matrix i = piece 4 p + i of rows 8 t + (lane & 7)
+  // gives b0, b1 of k-steps 2 p and 2 p + 1 of key tile t. V (transposed): matrices
+  // (keys 0-7, piece 2 j), (keys 8-15, piece 2 j), (keys 0-7, piece 2 j + 1), (keys 8-15,
+  // piece 2 j + 1) of a 16-key step give b0, b1 of output tiles 2 j and 2 j + 1.
+  const int k_row = lane & 7, k_piece = lane >> 3;
+  const int v_row = (lane & 7) + ((lane >> 3) & 1) * 8, v_piece = lane >> 4;
+
+  int rd = 0, wr = STAGES - 1;
+  for (int i = 0; i < my_tiles; ++i) {
+    cp_async_wait<STAGES - 2>();
+    __syncwarp();  // every lane's copies of tile i landed; every lane is done with tile i-1
+    if (i + STAGES - 1 < my_tiles) {
+      unsigned char* st = ring + wr * kStageBytesTc;
+      tc::load_tile<D, ROWS>(st, st + kTileBytes, kbase, vbase, tile_row0(i + STAGES - 1), end,
+                             lane);
+    }
+    cp_async_commit();
+    const unsigned sk = ring_s + rd * kStageBytesTc;
+    const unsigned sv = sk + kTileBytes;
+    rd = rd + 1 == STAGES ? 0 : rd + 1;
+    wr = wr + 1 == STAGES ? 0 : wr + 1;
+    const long long row0 = tile_row0(i);
+
+    // S^T: x[t][e] = logit of head grp, key 8 t + 2 tig + e.
+    float x[NT][2];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      x[t][0] = x[t][1] = 0.f;
+#pragma unroll
+      for (int p = 0; p < KS / 2; ++p) {
+        unsigned r[4];
+        tc::ldmatrix_x4(r, sk + tc::swz<D>(8 * t + k_row, 4 * p + k_piece));
+        tc::mma_rows8<T>(x[t][0], x[t][1], qa[2 * p][0], qa[2 * p][1], r[0], r[1]);
+        tc::mma_rows8<T>(x[t][0], x[t][1], qa[2 * p + 1][0], qa[2 * p + 1][1], r[2], r[3]);
+      }
+    }
+
+    // Scale, mask rows past the end, one max shift per tile (the quad's lanes share it).
+    float xm = STOCHATTN_NEG_INF;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const bool valid = row0 + 8 * t + 2 * tig + e < end;
+        x[t][e] = valid ? x[t][e] * scale_log2 : STOCHATTN_NEG_INF;
+        xm = fmaxf(xm, x[t][e]);
+      }
+    }
+    xm = fmaxf(xm, __shfl_xor_sync(0xffffffffu, xm, 1));
+    xm = fmaxf(xm, __shfl_xor_sync(0xffffffffu, xm, 2));
+    const float mn = fmaxf(m, xm);
+    const float shift = mn == STOCHATTN_NEG_INF ? 0.f : mn;  // no inf - inf
+    const float corr = exp2f(m - shift);
+    m = mn;
+    l *= corr;
+#pragma unroll
+    for (int n = 0; n < NO; ++n) {
+      o[n][0] *= corr;
+      o[n][1] *= corr;
+    }
+
+    // P, rounded to T, as A fragments: pa[t] = keys 8 t + 2 tig + {0, 1}; l adds the
+    // rounded weights.
+    unsigned pa[NT];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      pa[t] = tc::Pack<T>::pack(exp2f(x[t][0] - shift), exp2f(x[t][1] - shift));
+      const float2 w = Elem<T>::pair(pa[t]);
+      l += w.x + w.y;
+    }
+
+    // O += P . V, 16 keys per step.
+#pragma unroll
+    for (int s = 0; s < ROWS / 16; ++s) {
+#pragma unroll
+      for (int j = 0; j < NO / 2; ++j) {
+        unsigned r[4];
+        tc::ldmatrix_x4_trans(r, sv + tc::swz<D>(16 * s + v_row, 2 * j + v_piece));
+        tc::mma_rows8<T>(o[2 * j][0], o[2 * j][1], pa[2 * s], pa[2 * s + 1], r[0], r[1]);
+        tc::mma_rows8<T>(o[2 * j + 1][0], o[2 * j + 1][1], pa[2 * s], pa[2 * s + 1], r[2], r[3]);
+      }
+    }
+  }
+  cp_async_wait<0>();
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  __syncthreads();  // every warp is done with its ring: the merge buffers reuse it
+
+  // Warp states -> shared memory in combine_warps_and_write's layout (GMAX = 8).
+  float* sm_m = reinterpret_cast<float*>(smem);  // [WARPS][8]
+  float* sm_l = sm_m + WARPS * 8;                // [WARPS][8]
+  float* sm_acc = sm_l + WARPS * 8;              // [WARPS][8][D]
+  if (grp < G) {
+    float* a = sm_acc + (warp * 8 + grp) * D + 2 * tig;
+#pragma unroll
+    for (int n = 0; n < NO; ++n) *reinterpret_cast<float2*>(a + 8 * n) = make_float2(o[n][0], o[n][1]);
+    if (tig == 0) {
+      sm_m[warp * 8 + grp] = m;
+      sm_l[warp * 8 + grp] = l;
+    }
+  }
+  __syncthreads();
+  combine_warps_and_write<T, D, 8, WARPS, kThreadsTc>(smem, G, head0, out, part_o, part_ml,
+                                                      num_chunks, chunk);
+}
