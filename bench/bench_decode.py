@@ -28,13 +28,18 @@ baseline of a configuration is the minimum over torch SDPA and the FlashInfer va
 (ours excluded), per timing mode. Floors: bytes of K+V (and of K alone) over the
 device-to-device copy bandwidth measured here (bytes read plus written, as GPU.md does).
 
-Inputs: ``bench.synthetic.make_decode_inputs`` (NumPy, peaked LLM-like attention) for one
-sequence of up to 32k tokens; longer contexts repeat that pattern on the GPU without its
-first four (sink) tokens, with a 5% Gaussian perturbation of K, and batch entries share
-the same sequence (stored separately, so every byte is still read). Without
-bench/synthetic.py a Gaussian generator with planted sinks is used instead (stated in the
-output). Writes bench/results/bench_decode.{json,csv} (rewritten after every
-configuration, so a crash keeps what was measured) and prints a table last.
+Inputs (``--inputs``): ``calibrated`` (the default) is one sequence of the full context from
+``bench.calibrated.make_calibrated_inputs`` (the long-context generator calibrated on
+SmolLM2's attention statistics, docs/generator.md: clustered keys, sinks, recency,
+per-head peakedness); ``synthetic`` is ``bench.synthetic.make_decode_inputs`` (peaked
+attention from a few aligned keys plus Gaussian noise) for up to 32k tokens, longer
+contexts repeating that pattern on the GPU without its first four (sink) tokens, with a 5%
+Gaussian perturbation of K. Either way the batch entries share the same sequence (stored
+separately, so every byte is still read). The times of the exact kernels do not depend on
+the values; the sampled estimators' do a little (which tiles get points), and the fraction
+of V rows read depends on them entirely. Writes bench/results/bench_decode.{json,csv}
+(``--out`` for another stem; rewritten after every configuration, so a crash keeps what
+was measured) and prints a table last.
 
 Run: PYTHONPATH=. python3 bench/bench_decode.py [--quick] [--no-graphs] [--no-flashinfer]
 """
@@ -159,35 +164,39 @@ def copy_bandwidth(nbytes=2 << 30, reps=30):
 
 
 _BASE = {}
+INPUTS = ("calibrated", "synthetic")
 
 
-def base_pattern(tokens, seed=0):
-    """(q (1, Hq, D), k, v (1, Hkv, P, D)) float32 torch on the GPU, P = min(tokens, 32k)."""
+def base_pattern(tokens, seed=0, inputs="calibrated"):
+    """(q (1, Hq, D), k, v (1, Hkv, P, D)) float32 torch on the GPU and a description of
+    the source: P = tokens for ``calibrated``, min(tokens, 32k) for ``synthetic``."""
     torch = _torch()
-    P = min(tokens, BASE_TOKENS)
-    if P in _BASE:
-        return _BASE[P]
-    try:
+    if inputs not in INPUTS:
+        raise ValueError(f"`inputs` must be one of {INPUTS}, got {inputs!r}")
+    P = tokens if inputs == "calibrated" else min(tokens, BASE_TOKENS)
+    if (inputs, P, seed) in _BASE:
+        return _BASE[inputs, P, seed]
+    if inputs == "calibrated":
+        from bench.calibrated import make_calibrated_inputs
+
+        q, k, v = make_calibrated_inputs(1, HQ, HKV, P, D, seed=seed, dtype=np.float32)
+        source = f"bench.calibrated.make_calibrated_inputs (smollm2 profile), seed {seed}"
+    else:
         from bench.synthetic import make_decode_inputs
 
         q, k, v = make_decode_inputs(1, HQ, HKV, P, D, seed=seed, dtype=np.float32)
-        source = "bench.synthetic.make_decode_inputs"
-    except ImportError:
-        rng = np.random.default_rng(seed)
-        q = rng.standard_normal((1, HQ, D)).astype(np.float32) * 2
-        k = rng.standard_normal((1, HKV, P, D)).astype(np.float32)
-        k[:, :, :SINKS] += 2 * q.reshape(1, HKV, HQ // HKV, D).mean(2)[:, :, None] / math.sqrt(D)
-        v = rng.standard_normal((1, HKV, P, D)).astype(np.float32)
-        source = "gaussian with planted sinks (bench/synthetic.py missing)"
+        source = f"bench.synthetic.make_decode_inputs, seed {seed}"
+    _BASE.clear()  # one pattern at a time: a 128k one is 1 GB of float32 K and V
     out = tuple(torch.from_numpy(np.ascontiguousarray(a)).cuda() for a in (q, k, v)) + (source,)
-    _BASE[P] = out
+    _BASE[inputs, P, seed] = out
     return out
 
 
-def make_inputs(batch, tokens, dtype, seed=0):
-    """q (B, Hq, D), k, v (B, Hkv, N, D) in ``dtype`` on the GPU (see the module docstring)."""
+def make_inputs(batch, tokens, dtype, seed=0, inputs="calibrated"):
+    """q (B, Hq, D), k, v (B, Hkv, N, D) in ``dtype`` on the GPU, and the source's
+    description (see the module docstring)."""
     torch = _torch()
-    q0, k0, v0, source = base_pattern(tokens, seed)
+    q0, k0, v0, source = base_pattern(tokens, seed, inputs)
     P = k0.shape[2]
     if tokens > P:
         g = torch.Generator(device="cuda").manual_seed(seed + tokens)
@@ -196,6 +205,7 @@ def make_inputs(batch, tokens, dtype, seed=0):
         k_ext = k0[:, :, idx] + 0.05 * torch.randn(1, HKV, extra, D, device="cuda", generator=g)
         k1 = torch.cat([k0, k_ext], dim=2)
         v1 = torch.cat([v0, v0[:, :, idx]], dim=2)
+        source += f", repeated to {tokens} tokens with 5% noise on K"
     else:
         k1, v1 = k0[:, :, :tokens], v0[:, :, :tokens]
     k = k1.to(dtype).expand(batch, -1, -1, -1).contiguous()
@@ -269,12 +279,12 @@ def v_rows_read_fraction(indices, tokens):
     return float(distinct.double().mean() / tokens)
 
 
-def _write(rows, meta):
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "bench_decode.json"), "w") as f:
+def _write(rows, meta, stem):
+    os.makedirs(os.path.dirname(os.path.abspath(stem)), exist_ok=True)
+    with open(stem + ".json", "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     keys = sorted({k for r in rows for k in r})
-    with open(os.path.join(RESULTS, "bench_decode.csv"), "w", newline="") as f:
+    with open(stem + ".csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
@@ -296,6 +306,10 @@ def main(argv=None):
     ap.add_argument("--dtypes", default="float16,bfloat16")
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph timings")
+    ap.add_argument("--inputs", default="calibrated", choices=INPUTS,
+                    help="K/V generator (module docstring)")
+    ap.add_argument("--out", default=os.path.join(RESULTS, "bench_decode"),
+                    help="results stem: writes STEM.json and STEM.csv")
     args = ap.parse_args(argv)
     torch = _torch()
     from stochattn.cuda.exact import exact_decode
@@ -330,8 +344,8 @@ def main(argv=None):
                           flush=True)
                     continue
                 tc0 = time.time()
-                q, k, v, source = make_inputs(B, tokens, dtype)
-                notes["inputs"] = source
+                q, k, v, source = make_inputs(B, tokens, dtype, inputs=args.inputs)
+                notes.setdefault("inputs", {})[str(tokens)] = source
                 cfg = dict(dtype=dname, batch=B, context=tokens, q_heads=HQ, kv_heads=HKV, head_dim=D)
                 floor_kv = kv_bytes / bw * 1e6
                 floor_k = kv_bytes / 2 / bw * 1e6
@@ -429,11 +443,11 @@ def main(argv=None):
                 print(f"{dname} B={B} N={tokens}: floor K+V {floor_kv:.0f} us, K {floor_k:.0f} us "
                       f"(steady/per-call/graph us; {time.time() - tc0:.0f} s) | {line}", flush=True)
                 meta["wall_s"] = time.time() - t0
-                _write(rows, meta)
+                _write(rows, meta, args.out)
                 q = k = v = qs = ref = None  # free this configuration's buffers
                 torch.cuda.empty_cache()
     meta["wall_s"] = time.time() - t0
-    _write(rows, meta)
+    _write(rows, meta, args.out)
     print("\nsteady = back-to-back calls (headline); per-call = event pair per call (host work "
           "included); graph = CUDA-graph replay (kernels only).\nx floor = steady / (K+V bytes / copy "
           "bandwidth); x base = steady / fastest of torch SDPA and FlashInfer (steady).")
@@ -448,7 +462,7 @@ def main(argv=None):
                   f"{_fmt(r['ratio_to_fastest_baseline_median_us'], '.2f'):>6} "
                   f"{_fmt(vr, '.0f') if vr is not None else '-':>8}")
     print(f"notes: {json.dumps(notes, indent=1)}\nwall {time.time() - t0:.0f} s; wrote "
-          f"{RESULTS}/bench_decode.json and .csv")
+          f"{args.out}.json and .csv")
     return 0
 
 

@@ -33,25 +33,19 @@ import time
 
 import numpy as np
 
-from bench.bench_decode import D, HKV, HQ, RESULTS, Timing, copy_bandwidth, flashinfer_runners, time_steady
+from bench.bench_decode import (D, HKV, HQ, RESULTS, Timing, copy_bandwidth, flashinfer_runners,
+                                make_inputs, time_steady)
 
 SETTINGS = ((0.95, 0.7), (0.99, 0.8), (0.9, 0.6))
 
 
 def calibrated(batch, tokens, dtype, seed=0):
     """q (B, Hq, D), k, v (B, Hkv, N, D) torch CUDA tensors: one calibrated sequence copied
-    to every batch entry."""
+    to every batch entry (bench_decode.make_inputs)."""
     import torch
 
-    from bench.calibrated import make_calibrated_inputs
-
-    q, k, v = make_calibrated_inputs(1, HQ, HKV, tokens, D, seed=seed, dtype=np.float16)
-    tdt = getattr(torch, dtype)
-    out = []
-    for a in (q, k, v):
-        t = torch.from_numpy(a).cuda().to(tdt)
-        out.append(t.expand(batch, *t.shape[1:]).contiguous())
-    return tuple(out)
+    q, k, v, _ = make_inputs(batch, tokens, getattr(torch, dtype), seed=seed, inputs="calibrated")
+    return q, k, v
 
 
 def relative_error(got, want):
