@@ -58,7 +58,11 @@ GRID = (
     # S = 128: the budget of the accuracy target (systematic, within 1% perplexity at 8k)
     + [("santa-systematic-128", "SANTA prop systematic", "santa",
         dict(budget=128, sampler="systematic", schedule="prop"))]
-    + [(f"topk-{k}", "oracle top-k", "topk", dict(budget=k)) for k in (16, 64, 128, 256)]
+    # The large budgets (the S up to 2048; added 2026-12-04)
+    + [(f"santa-{smp}-{S}", f"SANTA prop {smp}", "santa",
+        dict(budget=S, sampler=smp, schedule="prop"))
+       for smp, S in (("systematic", 1024), ("systematic", 2048), ("iid", 2048))]
+    + [(f"topk-{k}", "oracle top-k", "topk", dict(budget=k)) for k in (16, 64, 128, 256, 1024)]
     + [(f"quest-{b}", "Quest", "quest", dict(budget=b)) for b in (64, 256)]
     + [(f"top_p-{p}", "oracle top-p", "top_p", dict(p=p)) for p in (0.9, 0.95, 0.99)]
     # Double-P on the decode-faithful index (bench.llm.evaluate.decode_index: k-means of the

@@ -28,31 +28,14 @@ import time
 
 import numpy as np
 
+from bench.tune_decode import time_steady  # 3 warm-ups, median of batches of back-to-back calls
+
 HQ, HKV, D = 32, 8, 128
 BANDWIDTH = 4.25e12  # B/s
 BATCHES = (1, 8, 32)
 CONTEXTS = (32768, 131072)
 DTYPES = ("float16", "bfloat16")
 TOL = 2e-2
-
-
-def time_steady(fn, batches=5, calls=20, warmup=3):
-    """Median over ``batches`` of the mean time (us) of ``calls`` back-to-back calls."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    per = []
-    for _ in range(batches):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(calls):
-            fn()
-        e.record()
-        e.synchronize()
-        per.append(s.elapsed_time(e) * 1e3 / calls)
-    return float(np.median(per))
 
 
 def time_graph(fn, batches=5, calls=20):
