@@ -171,13 +171,13 @@ def main(argv=None):
     from stochattn.cuda import _kmeans_build
 
     passes = [0]
-    assign = _kmeans_build._Build._assign
+    assign = _kmeans_build._BuildPlan._assign
 
     def counted(self, t, *rest):
         passes[0] += 1
         return assign(self, t, *rest)
 
-    _kmeans_build._Build._assign = counted
+    _kmeans_build._BuildPlan._assign = counted
 
     def passes_of(run):
         passes[0] = 0

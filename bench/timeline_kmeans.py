@@ -4,10 +4,13 @@ as torch's), and the host functions that fill those gaps (cProfile).
 
     PYTHONPATH=. python3 bench/timeline_kmeans.py --tokens 32768 --clusters 1024
 
-Prints, for one warm build: its span (first kernel start to last kernel end), the CUDA-event
-time around the call, the sum of kernel times, the idle time between kernels (gaps over
-``--gap-us`` listed with the kernel that follows), and cProfile's top host functions by own
-time. Keys and values: the calibrated generator, as bench/bench_kmeans.py.
+Prints, for one warm build (its plan cached by the calls before): its span (first kernel
+start to last kernel end), the CUDA-event time around the call, the sum of kernel times, the
+idle time between kernels (gaps over ``--gap-us`` listed with the kernel that follows), the
+host time of a call with its plan cached and with the cache off (plan construction:
+allocation, Numba views, launch preparation), of single launches (plain Numba against
+prepared), and cProfile's top host functions by own time. Keys and values: the calibrated
+generator, as bench/bench_kmeans.py.
 """
 
 from __future__ import annotations
@@ -30,50 +33,59 @@ def _kernel_events(prof):
     return out
 
 
-def _host_costs(call, torch, reps=200):
-    """Host time of one call's phases (no GPU waits in them) and of single launches."""
+def _host_costs(call, torch, k, reps=200):
+    """Host time of one call's phases (no GPU waits in them), cached plan and uncached, and
+    of single launches (plain Numba against prepared)."""
     import time
 
     import numpy as np
 
     from stochattn.cuda import _kmeans_build as kb
     from stochattn.cuda import _kmeans_kernels as kk
+    from stochattn.cuda import kmeans as km
 
     keep = {}
-    init, run = kb._Build.__init__, kb._Build.run
+    init, bind, run = kb._BuildPlan.__init__, kb._BuildPlan.bind, kb._BuildPlan.run
 
-    def timed_init(self, *a, **kw):
-        t0 = time.perf_counter()
-        init(self, *a, **kw)
-        keep["init_us"] = (time.perf_counter() - t0) * 1e6
-        keep["build"] = self
+    def timed(name, fn):
+        def wrapped(self, *a, **kw):
+            t0 = time.perf_counter()
+            fn(self, *a, **kw)
+            keep[name] = (time.perf_counter() - t0) * 1e6
+            keep["plan"] = self
+        return wrapped
 
-    def timed_run(self):
-        t0 = time.perf_counter()
-        run(self)
-        keep["run_us"] = (time.perf_counter() - t0) * 1e6
-
-    kb._Build.__init__, kb._Build.run = timed_init, timed_run
+    kb._BuildPlan.__init__ = timed("init_us", init)
+    kb._BuildPlan.bind, kb._BuildPlan.run = timed("bind_us", bind), timed("run_us", run)
+    limit = km.BUILD_CACHE_SIZE
     try:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        call()
-        total = (time.perf_counter() - t0) * 1e6
-        torch.cuda.synchronize()
+        for label, size in (("cached plan", limit), ("uncached (BUILD_CACHE_SIZE = 0)", 0)):
+            km.BUILD_CACHE_SIZE = size
+            keep.pop("init_us", None)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            call()
+            total = (time.perf_counter() - t0) * 1e6
+            torch.cuda.synchronize()
+            init_us = f"{keep['init_us']:.0f} us" if "init_us" in keep else "none"
+            print(f"host, {label}: whole call {total:.0f} us (returns before the GPU ends), "
+                  f"plan construction {init_us}, bind {keep['bind_us']:.0f} us, run "
+                  f"{keep['run_us']:.0f} us (includes its event waits)")
     finally:
-        kb._Build.__init__, kb._Build.run = init, run
-    print(f"host: whole call {total:.0f} us (returns before the GPU ends), _Build.__init__ "
-          f"{keep['init_us']:.0f} us, run {keep['run_us']:.0f} us (includes its event waits)")
-    b = keep["build"]
-    s, t = b.stream, np.int64(b.iterations + 1)  # an inactive round: the kernels exit early
+        km.BUILD_CACHE_SIZE = limit
+        kb._BuildPlan.__init__, kb._BuildPlan.bind, kb._BuildPlan.run = init, bind, run
+    p = keep["plan"]
+    s, t = p.stream, np.int64(p.iterations + 1)
     launches = {
-        "fill (8 args)": lambda: kk.fill[b.row_grid, kk.TPB, s](
-            b.out["labels"], b.pi, b.rd, b.co, b.bc, b.ns, b.hkv, t),
-        "scan_fill (10 args)": lambda: kk.scan_fill[b.H, kk.SCAN_TPB, s](
-            b.co, b.pi, b.rd, b.ns, b.hkv, np.int64(b.C), t, np.int32(1), np.float64(b.tol),
-            b.pf),
-        "gemm (cuBLAS through CuPy)": lambda: b.gemm_call(0, 8),
+        "scan_fill (10 args), plain Numba": lambda: kk.scan_fill[p.H, kk.SCAN_TPB, s](
+            p.co, p.pi, p.rd, p.ns, p.hkv, np.int64(p.C), t, np.int32(1), np.float64(p.tol),
+            p.pf),
+        "scan_fill (10 args), prepared": lambda: p.final_csr(int(t)),
     }
+    if p.gemm:
+        scratch = p.sizes.scratch("torch", k)
+        p.gemm_call.rebind(*(kb._ptr(scratch[n]) for n in ("cent16", "keys16", "G")))
+        launches["gemm (cuBLAS through CuPy)"] = lambda: p.gemm_call(0, 8)
     for name, fn in launches.items():
         fn()
         torch.cuda.synchronize()
@@ -145,7 +157,7 @@ def main(argv=None):
             print(f"  {(st - t0) / 1e3:7.3f} {gap:8.1f}  {short}")
         end = max(end, st + d)
 
-    _host_costs(call, torch)
+    _host_costs(call, torch, k)
 
     pr = cProfile.Profile()
     pr.enable()

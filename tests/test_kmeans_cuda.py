@@ -496,3 +496,146 @@ def test_errors():
         kmeans_gpu(k, k, n_clusters=2, tol="0.1")
     with pytest.raises(ValueError, match="`method` must be one of 'auto', 'gemm', 'scan', got 'fast'"):
         kmeans_gpu(k, k, n_clusters=2, method="fast")
+
+
+# ---- the build-plan cache -------------------------------------------------------------------
+
+
+@pytest.fixture
+def plans(monkeypatch):
+    """An empty plan cache, and a list of the plans built while the test runs."""
+    from stochattn.cuda import _kmeans_cache
+
+    built = []
+
+    class Counted(km._BuildPlan):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            built.append(self)
+
+    km.clear_build_cache()
+    monkeypatch.setattr(km, "_BuildPlan", Counted)
+    monkeypatch.setattr(km, "BUILD_CACHE_SIZE", 8)
+    yield built, _kmeans_cache
+    km.clear_build_cache()
+
+
+def _uncached(monkeypatch, *args, **kw):
+    """kmeans_gpu with the cache off (and the plan class not counted by ``plans``)."""
+    from stochattn.cuda._kmeans_build import _BuildPlan
+
+    with monkeypatch.context() as m:
+        m.setattr(km, "BUILD_CACHE_SIZE", 0)
+        m.setattr(km, "_BuildPlan", _BuildPlan)
+        return kmeans_gpu(*args, **kw)
+
+
+def _assert_same(got, want):
+    for field in FIELDS:
+        np.testing.assert_array_equal(got[field], want[field], err_msg=field)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("method", ["scan", "gemm"])
+def test_cached_plan_gives_the_uncached_index(method, plans, monkeypatch):
+    """Builds of one configuration (other keys, values, seq_lens, seeds) share one plan
+    (two here: host seq_lens, then none) and give, each, the index of an uncached build
+    bit for bit, and the reference's; the cache holds the two plans, none in use."""
+    built, cache = plans
+    kw = dict(n_clusters=6, iterations=3, n_sink=2, window=4, tol=0.05, method=method)
+    calls = []
+    for i, (lens, seed) in enumerate(((np.array([48, 20]), 3), (np.array([31, 48]), 2**63 + 9),
+                                      (None, 0), (None, 5))):
+        k, v = _mixture((2, 2, 48, 8), 4, seed=50 + i)
+        calls.append((k, v, lens, seed))
+    for k, v, lens, seed in calls:
+        out = kmeans_gpu(k, v, lens, seed=seed, **kw)
+        _assert_same(out, _uncached(monkeypatch, k, v, lens, seed=seed, **kw))
+        full = np.full(2, 48) if lens is None else lens
+        ref = build_index(k, v, full, kw["n_clusters"], kw["iterations"], kw["n_sink"],
+                          kw["window"], seed, kw["tol"])
+        check_against_reference(out, ref)
+    assert len(built) == 2 and cache.size() == 2
+    assert not any(plan.in_use for plan in built)
+
+
+def test_cached_plan_with_gpu_seq_lens(plans, monkeypatch):
+    """GPU seq_lens are rebound like the keys: two builds with other lengths."""
+    built, cache = plans
+    k, v = _mixture((2, 1, 40, 8), 4, seed=60)
+    kw = dict(n_clusters=5, iterations=2, n_sink=1, window=3, seed=7, method="scan")
+    for lens in (np.array([40, 12]), np.array([25, 40])):
+        out = kmeans_gpu(k, v, cuda.to_device(lens), **kw)
+        _assert_same(out, _uncached(monkeypatch, k, v, lens, **kw))
+    assert len(built) == 1
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_cached_scratch_is_zeroed_again(plans, monkeypatch):
+    """The plan's scratch that a build accumulates into (pf, rd, co) is filled with garbage
+    after a first build, and every buffer a build allocates starts as garbage: the second
+    build still gives the uncached index (each buffer is written or zeroed before it is
+    read)."""
+    from stochattn.cuda import _kmeans_build as kb
+
+    built, _ = plans
+    kw = dict(n_clusters=5, iterations=3, n_sink=1, window=2, seed=11, tol=0.0, method="gemm")
+    k1, v1 = _mixture((1, 2, 40, 8), 3, seed=70)
+    k2, v2 = _mixture((1, 2, 40, 8), 5, seed=71)
+    want = _uncached(monkeypatch, k2, v2, np.array([33]), **kw)
+    kmeans_gpu(k1, v1, np.array([40]), **kw)
+    plan = built[0]
+    for name in ("pf", "rd", "co", "pi", "cl", "clq", "mu"):
+        a = getattr(plan, name)
+        junk = np.full(a.shape, np.nan if a.dtype.kind == "f" else 12345, dtype=a.dtype)
+        a.copy_to_device(junk)
+
+    def garbage(kind, like, shape, dtype):
+        dt = np.dtype(dtype)
+        return cuda.to_device(np.full(shape, np.nan if dt.kind == "f" else 54321, dtype=dt))
+
+    monkeypatch.setattr(kb, "_empty", garbage)
+    monkeypatch.setattr(km, "_empty", garbage)
+    _assert_same(kmeans_gpu(k2, v2, np.array([33]), **kw), want)
+    assert len(built) == 1
+
+
+def test_other_configurations_get_other_plans(plans):
+    """Any change of shape, dtype, option or seq_lens kind builds a new plan; the cache
+    keeps at most BUILD_CACHE_SIZE plans, and 0 turns it off."""
+    built, cache = plans
+    k, v = _mixture((1, 2, 30, 8), 3, seed=80)
+    base = dict(n_clusters=4, iterations=2, n_sink=1, window=2, seed=1, method="scan")
+    variants = [{}, dict(n_clusters=5), dict(iterations=1), dict(window=3), dict(tol=0.0),
+                dict(method="gemm")]
+    for change in variants:
+        kmeans_gpu(k, v, None, **{**base, **change})
+    kmeans_gpu(k, v, np.array([30]), **base)  # host seq_lens instead of none
+    kmeans_gpu(k.astype(np.float16), v.astype(np.float16), None, **base)
+    kmeans_gpu(k[:, :1], v[:, :1], None, **base)
+    assert len(built) == 9 and cache.size() == 8  # the least recently used went first
+    kmeans_gpu(k, v, np.array([30]), **base)
+    assert len(built) == 9  # still cached
+    km.BUILD_CACHE_SIZE = 0  # restored by the fixture's monkeypatch
+    km.clear_build_cache()
+    kmeans_gpu(k, v, None, **base)
+    assert len(built) == 10 and cache.size() == 0
+
+
+def test_plan_in_use_is_not_shared(plans):
+    """A build that finds its configuration's plan lent out (another thread's build)
+    builds with a plan of its own, uncached, and gives the same index."""
+    built, cache = plans
+    k, v = _mixture((1, 2, 30, 8), 3, seed=90)
+    kw = dict(n_clusters=4, iterations=2, n_sink=1, window=2, seed=1, method="scan")
+    first = kmeans_gpu(k, v, None, **kw)
+    plan = built[0]
+    plan.in_use = True  # as if another thread were building with it
+    try:
+        again = kmeans_gpu(k, v, None, **kw)
+    finally:
+        plan.in_use = False
+    assert len(built) == 2 and cache.size() == 1 and not built[1].in_use
+    _assert_same(again, first)
+    kmeans_gpu(k, v, None, **kw)
+    assert len(built) == 2  # the cached plan again

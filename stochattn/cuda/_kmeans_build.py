@@ -1,6 +1,7 @@
 """Scratch buffers and launch sequence of :func:`stochattn.cuda.kmeans.kmeans_gpu` (whose
-docstring describes the algorithm), and the GEMM of its assignment: cuBLAS on a GPU, a NumPy
-emulation under the CUDA simulator."""
+docstring describes the algorithm) as a plan that repeated builds of one configuration
+reuse (:class:`_BuildPlan`, cached by :mod:`stochattn.cuda._kmeans_cache`), and the GEMM of
+its assignment: cuBLAS on a GPU, a NumPy emulation under the CUDA simulator."""
 
 from __future__ import annotations
 
@@ -37,20 +38,6 @@ def _empty(kind, like, shape, dtype):
     return cuda.device_array(shape, dtype=dtype)
 
 
-def _zeros(kind, like, shape, dtype, stream):
-    """Zero-filled buffer like :func:`_empty` (a host copy for NumPy/other inputs)."""
-    if kind == "torch":
-        import torch
-
-        return torch.zeros(shape, dtype=getattr(torch, np.dtype(dtype).name), device=like.device)
-    if kind == "cupy":
-        import cupy
-
-        with cupy.cuda.Device(like.data.device_id):
-            return cupy.zeros(shape, dtype=dtype)
-    return cuda.to_device(np.zeros(shape, dtype=dtype), stream=stream)
-
-
 def _stream_ptr(kind, device) -> int:
     """Raw pointer of the stream :func:`_stream` launches on (0: the legacy default)."""
     if kind == "torch":
@@ -64,8 +51,11 @@ def _stream_ptr(kind, device) -> int:
     return 0
 
 
-def _data_ptr(a) -> int:
-    return int(a.__cuda_array_interface__["data"][0])
+def _geometry() -> tuple:
+    """The launch-geometry constants a plan reads (tests change them under the simulator:
+    part of the plan cache key)."""
+    return (_TPB, _k.SCAN_TPB, _k.DIM_TPB, _k.LANES, _k.ROW_TILE, _k.TILES_PER_BLOCK,
+            _k.KH_TPB, _k.KH_ROWS, _k.KH_SHARED, _k.VEC)
 
 
 _LOCAL = threading.local()
@@ -133,7 +123,8 @@ class _CublasGemm:
     strided-batched cuBLAS call (float16 inputs, float32 accumulation, float16 output) on
     the stream of the Numba launches."""
 
-    def __init__(self, device: int, stream_ptr: int, cent16, keys16, G, rows: int, ldc: int):
+    def __init__(self, device: int, stream_ptr: int, cent16_shape, keys16_shape, rows: int,
+                 ldc: int):
         import cupy
         from cupy.cuda import device as cupy_device
         from cupy_backends.cuda.libs import cublas
@@ -148,14 +139,18 @@ class _CublasGemm:
                             else cupy.cuda.Stream.null)
         self._one = np.ones(1, dtype=np.float32)
         self._zero = np.zeros(1, dtype=np.float32)
-        self._a, self._b, self._c = _data_ptr(cent16), _data_ptr(keys16), _data_ptr(G)
-        self._H, self._C, self._D = (int(s) for s in cent16.shape)
-        self._R, self._Rc, self._ldc = int(keys16.shape[1]), int(rows), int(ldc)
+        self._a = self._b = self._c = 0  # set by rebind before each build
+        self._H, self._C, self._D = (int(s) for s in cent16_shape)
+        self._R, self._Rc, self._ldc = int(keys16_shape[1]), int(rows), int(ldc)
         get = lambda name, default: getattr(cublas, name, default)  # noqa: E731
         self._op_n, self._op_t = get("CUBLAS_OP_N", 0), get("CUBLAS_OP_T", 1)
         self._f16 = 2  # CUDA_R_16F
         self._compute = get("CUBLAS_COMPUTE_32F", 68)
         self._algo = get("CUBLAS_GEMM_DEFAULT", -1)
+
+    def rebind(self, cent16: int, keys16: int, G: int) -> None:
+        """This build's buffers (data pointers; shapes as constructed)."""
+        self._a, self._b, self._c = int(cent16), int(keys16), int(G)
 
     def __call__(self, r0: int, n: int) -> None:
         H, C, D, R, Rc, ldc = self._H, self._C, self._D, self._R, self._Rc, self._ldc
@@ -176,9 +171,13 @@ class _EmulatedGemm:
     float16 products, float16 output), for the CUDA simulator's device arrays. The padding
     columns C..Cp of ``G`` get NaN (never read as scores)."""
 
-    def __init__(self, cent16, keys16, G, rows: int, ldc: int):
-        self._cent16, self._keys16, self._G, self._rows = cent16, keys16, G, rows
-        self._ldc = ldc
+    def __init__(self, rows: int, ldc: int):
+        self._cent16 = self._keys16 = self._G = None  # set by rebind before each build
+        self._rows, self._ldc = rows, ldc
+
+    def rebind(self, cent16, keys16, G) -> None:
+        """This build's buffers (Numba device arrays; None: drop the last ones)."""
+        self._cent16, self._keys16, self._G = cent16, keys16, G
 
     def __call__(self, r0: int, n: int) -> None:
         c16 = self._cent16.copy_to_host().astype(np.float32)
@@ -190,77 +189,291 @@ class _EmulatedGemm:
         self._G.copy_to_device(out.reshape(-1))
 
 
-class _Build:
-    """Scratch buffers and the launch sequence of one :func:`kmeans_gpu` call (layouts: the
-    docstring of :mod:`stochattn.cuda._kmeans_kernels`)."""
+class _Slot:
+    """An argument that changes with every build (rebound by :meth:`_BuildPlan.bind`)."""
 
-    def __init__(self, kind, like, device, stream, k_dev, v_dev, lens_dev, dev, C, iterations,
-                 n_sink, window, seed, tol, gemm, scratch_bytes):
-        B, Hkv, N, D = (int(s) for s in k_dev.shape)
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+#: Per-build arrays that share a data pointer with another one: view name -> base name.
+_DERIVED = {"G64": "G", "hb_flat": "hb"}
+
+
+def _derived_views(views: dict) -> dict:
+    """``views`` plus the reshaped/reinterpreted views the launches take."""
+    out = dict(views)
+    out["hb_flat"] = views["hb"].reshape(views["hb"].size)
+    if "G" in views:
+        out["G64"] = views["G"].view(np.uint64)
+    return out
+
+
+def _ptr(a) -> int:
+    """Data pointer of a device array: PyTorch, CuPy, Numba, or any
+    ``__cuda_array_interface__`` (attribute reads only for the first three)."""
+    data_ptr = getattr(a, "data_ptr", None)
+    if data_ptr is not None:  # PyTorch
+        return int(data_ptr())
+    ptr = getattr(a, "device_ctypes_pointer", None)
+    if ptr is not None:  # Numba
+        return int(ptr.value or 0)
+    if type(a).__module__.split(".")[0] == "cupy":
+        return int(a.data.ptr)
+    return int(a.__cuda_array_interface__["data"][0])
+
+
+class _Sizes:
+    """Buffer shapes and chunking that one configuration fixes (the plan cache key holds
+    everything they depend on; layouts: :mod:`stochattn.cuda._kmeans_kernels`).
+
+    ``cached``: small scratch a cached plan keeps (O(H C) at most); ``per_build``: scratch
+    that grows with N or C D (the float16 keys and score chunk: hundreds of MB at 32k),
+    allocated by every build from the caller's framework and rebound.
+    """
+
+    def __init__(self, B, Hkv, N, D, C, iterations, n_sink, window, gemm, scratch_bytes):
         H = B * Hkv
-        self.kind, self.stream, self.gemm = kind, stream, gemm
-        self.k, self.v, self.lens, self.out = k_dev, v_dev, lens_dev, dev
-        self.C, self.D, self.H, self.N, self.iterations = C, D, H, N, iterations
-        self.seed, self.tol = seed, tol
-        self.ns, self.win, self.hkv = np.int64(n_sink), np.int64(window), np.int64(Hkv)
+        self.B, self.Hkv, self.N, self.D, self.H, self.C = B, Hkv, N, D, H, C
+        self.iterations, self.gemm = iterations, gemm
         # Rows per problem: no sequence has more than N - n_sink - window middle tokens.
-        self.R = max(N - n_sink - window, 0)
-        R1 = max(self.R, 1)
-        self._keep = []  # framework buffers behind the Numba views, alive until the end
+        self.R = R = max(N - n_sink - window, 0)
+        R1 = max(R, 1)
+        self.nbits = min(16, max(1, math.ceil(math.log2(max(R, 2)))))
+        # Score rows Cp apart (C rounded up to a multiple of 8): 16-byte aligned rows, read
+        # as 8-byte words of VEC scores by assign_gemm; clq: (H, 2, VEC, Cp / VEC).
+        self.Cp = Cp = -(-C // 8) * 8
+        self.Rc = max(1, min(R1, scratch_bytes // (2 * H * Cp))) if gemm else 0
+        small = 1 if not gemm else None  # placeholders when the GEMM path is off
+        self.cached = dict(
+            pi=((H, 2), np.int32), pf=((H, 5), np.float32), cl=((H, 3, C), np.float32),
+            rd=((3, iterations + 2, H), np.int32),  # row t: round t
+            co=((H, 2, C + 1), np.int32), mu=((H, small or D), np.float32),
+            clq=((H, 2, _k.VEC, small or Cp // _k.VEC), np.float32))
+        self.per_build = dict(
+            comp=((H, R1), np.uint64), hb=((H, 2, (1 << self.nbits) + 1), np.int32),
+            bc=((H, 2, R1), np.int32), cent16=((H, small or C, small or D), np.float16))
+        if gemm:
+            self.per_build.update(keys16=((H, R1, D), np.float16),
+                                  rown=((H, R1, 2), np.float32),
+                                  G=((H * self.Rc * Cp,), np.float16))
 
-        def buf(shape, dtype, zero=False):
-            a = (_zeros(kind, like, shape, dtype, stream) if zero
-                 else _empty(kind, like, shape, dtype))
+    def scratch(self, kind, like) -> dict:
+        """This build's ``per_build`` buffers, in the caller's framework (none zeroed)."""
+        return {name: _empty(kind, like, shape, dtype)
+                for name, (shape, dtype) in self.per_build.items()}
+
+
+class _BuildPlan:
+    """The launch sequence of :func:`kmeans_gpu` for one configuration (shapes, dtypes,
+    options, stream), kept by the plan cache of :mod:`stochattn.cuda._kmeans_cache`: every
+    kernel launch prepared (:class:`~stochattn.cuda._numba_launch.Bound`), the GEMM wrapper,
+    the small scratch, two events. A build rebinds the arrays that change
+    (:meth:`bind`: k, v, GPU seq_lens, the outputs and the ``per_build`` scratch), sets the
+    seed and launches (:meth:`run`). Not thread-safe: the cache lends a plan to one build
+    at a time (``in_use``).
+
+    ``views``: the first build's Numba views of those arrays, by name (the launches are
+    prepared with them; the plan keeps none of them). ``lens_mode``: "gpu" (rebound),
+    "host" (copied into a buffer of the plan by :meth:`bind`) or "none" (N each).
+    """
+
+    in_use = False  # lent to a build (set by stochattn.cuda._kmeans_cache)
+
+    def __init__(self, kind, like, device, stream, stream_ptr, sizes: _Sizes, n_sink, window,
+                 tol, lens_mode, views):
+        z = sizes
+        self.kind, self.stream, self.sizes, self.lens_mode = kind, stream, z, lens_mode
+        self.C, self.D, self.H, self.N, self.R = z.C, z.D, z.H, z.N, z.R
+        self.iterations, self.gemm, self.tol = z.iterations, z.gemm, tol
+        self.ns, self.win, self.hkv = np.int64(n_sink), np.int64(window), np.int64(z.Hkv)
+        self._keep = []  # framework buffers behind the Numba views of the cached scratch
+
+        def buf(shape, dtype):
+            a = _empty(kind, like, shape, dtype)
             self._keep.append(a)
             return a if kind in ("numpy", "cai") else cuda.as_cuda_array(a, sync=False)
 
-        self.nbits = min(16, max(1, math.ceil(math.log2(max(self.R, 2)))))
-        self.comp = buf((H, R1), np.uint64)
-        self.hb = buf((H, 2, (1 << self.nbits) + 1), np.int32, zero=True)
-        self.pi = buf((H, 2), np.int32)
-        self.pf = buf((H, 5), np.float32, zero=True)
-        self.cl = buf((H, 3, C), np.float32)
-        self.rd = buf((3, iterations + 2, H), np.int32, zero=True)  # row t: round t
-        self.co = buf((H, 2, C + 1), np.int32, zero=True)
-        self.bc = buf((H, 2, R1), np.int32)
-        small = 1 if not gemm else None  # placeholders when the GEMM path is off
-        self.mu = buf((H, small or D), np.float32)
-        self.cent16 = buf((H, small or C, small or D), np.float16)
-        # Score rows Cp apart (C rounded up to a multiple of 8): 16-byte aligned rows, read
-        # as 8-byte words of VEC scores by assign_gemm; clq: (H, 2, VEC, Cp / VEC).
-        Cp = -(-C // 8) * 8
-        self.clq = buf((H, 2, _k.VEC, small or Cp // _k.VEC), np.float32)
-        if gemm:
-            self.keys16 = buf((H, R1, D), np.float16)
-            self.rown = buf((H, R1, 2), np.float32)
-            self.Rc = max(1, min(R1, scratch_bytes // (2 * H * Cp)))
-            self.G = buf((H * self.Rc * Cp,), np.float16)
-            self.G64 = self.G.view(np.uint64)
-            self.cl_flat = self.cl.reshape(H * 3 * C)
-            self.bounds = _bound_constants(D)
+        for name, (shape, dtype) in z.cached.items():
+            setattr(self, name, buf(shape, dtype))
+        if lens_mode == "gpu":
+            self.lens = _Slot("lens")
+        else:  # a constant buffer of N each, or the host lengths' copy (bind)
+            self.lens = cuda.to_device(np.full(z.B, z.N, dtype=np.int64), stream=stream)
+        self._rd_rows = [self.rd[1, t] for t in range(z.iterations + 2)]  # the stop flags
+        self.row_grid = (max(1, -(-self.R // _TPB)), self.H)
+        self.dim_threads = _pow2_at_most(self.D, _k.DIM_TPB)
+        self.events = (_event(), _event())
+        self._first = _derived_views(views)
+        self._users = {}  # slot name -> [(Bound, argument position)]
+        self._bounds = []
+        self._setup_launches()
+        self.rounds = self._round_launches()
+        if self.gemm:
             if _SIM:
-                self.gemm_call = _EmulatedGemm(self.cent16, self.keys16, self.G, self.Rc, Cp)
+                self.gemm_call = _EmulatedGemm(z.Rc, z.Cp)
             else:
-                self.gemm_call = _CublasGemm(device, _stream_ptr(kind, device), self.cent16,
-                                             self.keys16, self.G, self.Rc, Cp)
-        self.row_grid = (max(1, -(-self.R // _TPB)), H)
-        self.dim_threads = _pow2_at_most(D, _k.DIM_TPB)
+                self.gemm_call = _CublasGemm(device, stream_ptr, z.per_build["cent16"][0],
+                                             z.per_build["keys16"][0], z.Rc, z.Cp)
+        self._first = None
+        self.needs_views = _SIM or not all(b.prepared for b in self._bounds)
 
-    # -- steps ---------------------------------------------------------------------------
+    # -- launches ------------------------------------------------------------------------
 
-    def run(self) -> None:
-        s, ns, hkv, H, C = self.stream, self.ns, self.hkv, self.H, self.C
-        ws, labels, cent = self.out["window_start"], self.out["labels"], self.out["centroids"]
-        token_grid = ((self.N + _TPB - 1) // _TPB, H)
-        _k.prepare[token_grid, _TPB, s](self.lens, ns, self.win, hkv, ws, labels, self.pi)
-        self._seed()
+    def _bound(self, kernel, grid, block, args, mutable=()):
+        """A :class:`Bound` launch of ``kernel``; :class:`_Slot` arguments are rebound."""
+        slots = [i for i, a in enumerate(args) if isinstance(a, _Slot)]
+        real = [self._first[a.name] if isinstance(a, _Slot) else a for a in args]
+        launch = Bound(kernel, grid, block, self.stream, real, mutable=mutable, rebind=slots)
+        for i in slots:
+            self._users.setdefault(args[i].name, []).append((launch, i))
+        self._bounds.append(launch)
+        return launch
+
+    def _setup_launches(self) -> None:
+        """The launches before the rounds and after them (once per build): zeroing, the
+        token ranges, the seeding (the seed words are mutable scalars), the GEMM path's
+        centring and float16 keys, the final CSR and the statistics."""
+        ns, hkv, H, C, R = self.ns, self.hkv, self.H, self.C, self.R
+        S = _Slot
+        pf, rd, co = (a.reshape(a.size) for a in (self.pf, self.rd, self.co))
+        n_zero = max(pf.size, rd.size, co.size, self._first["hb_flat"].size)
+        self.zero = self._bound(_k.zero_scratch, -(-n_zero // _TPB), _TPB,
+                                (pf, rd, co, S("hb_flat")))
+        token_grid = (-(-self.N // _TPB), H)
+        self.prepare = self._bound(_k.prepare, token_grid, _TPB,
+                                   (self.lens, ns, self.win, hkv, S("window_start"),
+                                    S("labels"), self.pi))
+        shift = np.uint64(32 - self.sizes.nbits)
+        grid = self.row_grid
+        self.seed_keys = self._bound(_k.seed_keys, grid, _TPB,
+                                     (self.pi, ns, np.uint64(0), np.uint64(0), shift, S("comp"),
+                                      S("hb")), mutable=(2, 3))
+        self.seed_scan = self._bound(_k.seed_scan, H, _k.SCAN_TPB,
+                                     (np.int64(1 << self.sizes.nbits), S("hb")))
+        self.seed_fill = self._bound(_k.seed_fill, grid, _TPB,
+                                     (self.pi, shift, S("comp"), S("hb"), S("bc")))
+        self.seed_rank = self._bound(_k.seed_rank, grid, _TPB,
+                                     (self.pi, shift, S("comp"), S("hb"), S("bc")))
+        if self.gemm:
+            self.centre = self._bound(_k.centre, H, self.dim_threads,
+                                      (S("k"), S("bc"), self.pi, ns, hkv, np.int64(C), self.mu,
+                                       self.pf))
+            rows_blk = max(1, min(_k.KH_ROWS, _k.KH_SHARED // (self.D + 1)))
+            rows = (-(-max(R, 1) // rows_blk), H)
+            self.keys_half = self._bound(_k.keys_half, rows, _k.KH_TPB,
+                                         (S("k"), self.mu, self.pf, self.pi, ns, hkv,
+                                          np.int64(rows_blk), S("keys16"), S("rown")))
         gemm = np.int32(1 if self.gemm else 0)
-        _k.seed_centroids[(C, H), self.dim_threads, s](
-            self.k, self.bc, self.pi, ns, hkv, self.mu, self.pf, gemm, cent, self.cent16,
-            self.cl, self.clq, self.out["n_initialized"])
-        rounds = self._round_launches(gemm)
+        self.seed_centroids = self._bound(
+            _k.seed_centroids, (C, H), self.dim_threads,
+            (S("k"), S("bc"), self.pi, ns, hkv, self.mu, self.pf, gemm, S("centroids"),
+             S("cent16"), self.cl, self.clq, S("n_initialized")))
+        # The final pass's CSR (every problem: scan_fill's final flag set).
+        self.final_csr = self._bound(
+            _k.scan_fill, H, _k.SCAN_TPB,
+            (self.co, self.pi, self.rd, ns, hkv, np.int64(C), np.int64(1), np.int32(1),
+             np.float64(self.tol), self.pf), mutable=(6,))
+        self.stats = self._bound(_k.stats, (C, H), self.dim_threads,
+                                 (S("v"), S("bc"), self.co, self.pi, ns, hkv, S("sizes"),
+                                  S("value_sums")))
+
+    def _round_launches(self):
+        """The kernels launched every round (the round number is the mutable scalar): the
+        assignment (GEMM path: one assign_gemm per score chunk), then the CSR of its labels
+        (scan_fill, fill, rank: a stable counting sort by label, each cluster in position
+        order) and the means."""
+        ns, hkv, H, C, S = self.ns, self.hkv, self.H, self.C, _Slot
+        t0 = np.int64(1)
+        out = {}
+        if self.gemm:
+            Rc = self.sizes.Rc
+            bounds = _bound_constants(self.D)
+            cl_flat = self.cl.reshape(self.cl.size)
+            out["assign"] = [
+                (r0, n, self._bound(
+                    _k.assign_gemm, (-(-n // (_k.ROW_TILE * _k.TILES_PER_BLOCK)), H), _k.LANES,
+                    (S("k"), S("G"), S("G64"), np.int64(r0), np.int64(n), S("centroids"),
+                     cl_flat, self.clq, self.pf, self.pi, S("rown"), ns, hkv, t0, *bounds,
+                     S("labels"), self.co, self.rd), mutable=(13,)))
+                for r0, n in ((r0, min(Rc, self.R - r0)) for r0 in range(0, self.R, Rc))]
+        else:
+            out["assign"] = [(0, 0, self._bound(
+                _k.assign_scan, self.row_grid, _TPB,
+                (S("k"), S("centroids"), self.cl, self.pi, ns, hkv, t0, S("labels"), self.co,
+                 self.rd), mutable=(6,)))]
+        out["scan_fill"] = self._bound(_k.scan_fill, H, _k.SCAN_TPB,
+                                       (self.co, self.pi, self.rd, ns, hkv, np.int64(C), t0,
+                                        np.int32(0), np.float64(self.tol), self.pf), mutable=(6,))
+        for name in ("fill", "rank"):
+            out[name] = self._bound(getattr(_k, name), self.row_grid, _TPB,
+                                    (S("labels"), self.pi, self.rd, self.co, S("bc"), ns, hkv, t0),
+                                    mutable=(7,))
+        gemm = np.int32(1 if self.gemm else 0)
+        out["mean"] = self._bound(_k.mean, (C, H), self.dim_threads,
+                                  (S("k"), S("bc"), self.co, self.pi, self.rd, ns, hkv, t0,
+                                   self.mu, self.pf, gemm, S("centroids"), S("cent16"), self.cl,
+                                   self.clq), mutable=(7,))
+        return out
+
+    # -- one build -----------------------------------------------------------------------
+
+    def bind(self, arrays: dict, views=None, host_lens=None) -> None:
+        """This build's arrays, by slot name: ``arrays`` in the caller's framework (their
+        data pointers are rebound), ``views`` their Numba views (needed when
+        :attr:`needs_views`: the simulator, or a launch that could not be prepared);
+        ``host_lens``: int64 host lengths (``lens_mode == "host"``), copied on the stream."""
+        if host_lens is not None:
+            self.lens.copy_to_device(host_lens, stream=self.stream)
+        if self.needs_views:
+            if views is None:
+                raise ValueError("`views` are required by this plan (unprepared launches)")
+            views = _derived_views(views)
+            for name, users in self._users.items():
+                view = views[name]
+                for launch, i in users:
+                    launch.rebind(i, view)
+        else:
+            ptrs = {name: _ptr(a) for name, a in arrays.items()}
+            for name, users in self._users.items():
+                ptr = ptrs[_DERIVED.get(name, name)]
+                for launch, i in users:
+                    launch.rebind(i, ptr=ptr)
+        if self.gemm:
+            names = ("cent16", "keys16", "G")
+            if _SIM:
+                self.gemm_call.rebind(*(views[n] for n in names))
+            else:
+                self.gemm_call.rebind(*(_ptr(arrays[n]) for n in names))
+
+    def release(self) -> None:
+        """Forget this build's arrays (a plain launch would keep them alive)."""
+        for launch in self._bounds:
+            launch.release()
+        if self.gemm and _SIM:
+            self.gemm_call.rebind(None, None, None)
+
+    def run(self, seed: int) -> None:
+        """Launch the whole build on the stream (after :meth:`bind`); returns after the
+        last launch (one host wait per round, for the stop flags of the round before)."""
+        H = self.H
+        self.zero()
+        self.prepare()
+        self.seed_keys.set(2, seed & 0xFFFFFFFF)
+        self.seed_keys.set(3, seed >> 32)
+        self.seed_keys()
+        self.seed_scan()
+        self.seed_fill()
+        self.seed_rank()
+        if self.gemm:
+            self.centre()
+            self.keys_half()
+        self.seed_centroids()
+        rounds, s = self.rounds, self.stream
         flags = _pinned_flags(H)
-        events = (_event(), _event())
+        events = self.events
         final = None
         for t in range(1, self.iterations + 1):
             self._assign(t, rounds)
@@ -272,75 +485,15 @@ class _Build:
                     break
             for name in ("scan_fill", "fill", "rank", "mean"):
                 rounds[name](t)
-            self.rd[1, t].copy_to_host(flags[t % 2, :H], stream=s)
+            self._rd_rows[t].copy_to_host(flags[t % 2, :H], stream=s)
             events[t % 2].record(s)
         if final is None:
             final = self.iterations + 1
             self._assign(final, rounds)
-        # The final pass's CSR (every problem: scan_fill's final flag set).
-        _k.scan_fill[self.H, _k.SCAN_TPB, s](
-            self.co, self.pi, self.rd, ns, hkv, np.int64(C), np.int64(final), np.int32(1),
-            np.float64(self.tol), self.pf)
+        self.final_csr(final)
         rounds["fill"](final)
         rounds["rank"](final)
-        _k.stats[(C, H), self.dim_threads, s](self.v, self.bc, self.co, self.pi, ns, hkv,
-                                              self.out["sizes"], self.out["value_sums"])
-
-    def _round_launches(self, gemm):
-        """The kernels launched every round, their arguments prepared once
-        (:class:`~stochattn.cuda._numba_launch.Bound`; the round number is the mutable
-        scalar): the assignment (GEMM path: one assign_gemm per score chunk), then the CSR
-        of its labels (scan_fill, fill, rank: a stable counting sort by label, each cluster
-        in position order) and the means."""
-        s, ns, hkv, H, C = self.stream, self.ns, self.hkv, self.H, self.C
-        labels, cent = self.out["labels"], self.out["centroids"]
-        t0 = np.int64(1)
-        out = {}
-        if self.gemm:
-            out["assign"] = [
-                (r0, n, Bound(
-                    _k.assign_gemm, (-(-n // (_k.ROW_TILE * _k.TILES_PER_BLOCK)), H), _k.LANES,
-                    s, (self.k, self.G, self.G64, np.int64(r0), np.int64(n), cent, self.cl_flat,
-                        self.clq, self.pf, self.pi, self.rown, ns, hkv, t0, *self.bounds,
-                        labels, self.co, self.rd), mutable=(13,)))
-                for r0, n in ((r0, min(self.Rc, self.R - r0))
-                              for r0 in range(0, self.R, self.Rc))]
-        else:
-            out["assign"] = [(0, 0, Bound(
-                _k.assign_scan, self.row_grid, _TPB, s,
-                (self.k, cent, self.cl, self.pi, ns, hkv, t0, labels, self.co, self.rd),
-                mutable=(6,)))]
-        out["scan_fill"] = Bound(_k.scan_fill, H, _k.SCAN_TPB, s,
-                                 (self.co, self.pi, self.rd, ns, hkv, np.int64(C), t0,
-                                  np.int32(0), np.float64(self.tol), self.pf), mutable=(6,))
-        for name in ("fill", "rank"):
-            out[name] = Bound(getattr(_k, name), self.row_grid, _TPB, s,
-                              (labels, self.pi, self.rd, self.co, self.bc, ns, hkv, t0),
-                              mutable=(7,))
-        out["mean"] = Bound(_k.mean, (C, H), self.dim_threads, s,
-                            (self.k, self.bc, self.co, self.pi, self.rd, ns, hkv, t0, self.mu,
-                             self.pf, gemm, cent, self.cent16, self.cl, self.clq), mutable=(7,))
-        return out
-
-    def _seed(self) -> None:
-        """Initial order of the middle tokens (``bc[:, 1]``) and, for the GEMM path, the
-        centring vector, the scale, the float16 keys and their norms."""
-        s, ns, hkv, H = self.stream, self.ns, self.hkv, self.H
-        shift = np.uint64(32 - self.nbits)
-        grid = self.row_grid
-        _k.seed_keys[grid, _TPB, s](self.pi, ns, np.uint64(self.seed & 0xFFFFFFFF),
-                                    np.uint64(self.seed >> 32), shift, self.comp, self.hb)
-        _k.seed_scan[H, _k.SCAN_TPB, s](np.int64(1 << self.nbits), self.hb)
-        _k.seed_fill[grid, _TPB, s](self.pi, shift, self.comp, self.hb, self.bc)
-        _k.seed_rank[grid, _TPB, s](self.pi, shift, self.comp, self.hb, self.bc)
-        if self.gemm:
-            _k.centre[H, self.dim_threads, s](self.k, self.bc, self.pi, ns, hkv,
-                                              np.int64(self.C), self.mu, self.pf)
-            D = self.D
-            rows_blk = max(1, min(_k.KH_ROWS, _k.KH_SHARED // (D + 1)))
-            rows = (-(-max(self.R, 1) // rows_blk), H)
-            _k.keys_half[rows, _k.KH_TPB, s](self.k, self.mu, self.pf, self.pi, ns, hkv,
-                                             np.int64(rows_blk), self.keys16, self.rown)
+        self.stats()
 
     def _assign(self, t: int, rounds) -> None:
         for r0, n, launch in rounds["assign"]:

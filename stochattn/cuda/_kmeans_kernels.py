@@ -424,6 +424,22 @@ def prepare(lens, n_sink, window, Hkv, ws, labels, pi):
 
 
 @cuda.jit
+def zero_scratch(pf, rd, co, hb):
+    """The scratch a build accumulates into (flat views of ``pf``, ``rd``, ``co``, ``hb``)
+    set to zero, one thread per element of the largest: a cached build plan reuses the
+    first three, and ``hb`` comes from an allocator that does not clear."""
+    i = np.int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x
+    if i < pf.shape[0]:
+        pf[i] = _F32(0.0)
+    if i < rd.shape[0]:
+        rd[i] = 0
+    if i < co.shape[0]:
+        co[i] = 0
+    if i < hb.shape[0]:
+        hb[i] = 0
+
+
+@cuda.jit
 def seed_keys(pi, n_sink, seed_lo, seed_hi, shift, comp, hb):
     """Composite ``word << 32 | j`` of each middle token and a histogram of the words' top
     bits (``word >> shift``) in ``hb[p, 0]``."""

@@ -71,8 +71,19 @@ current stream (cuBLAS included). PyTorch bfloat16 has no array-interface type c
 keys/values are converted to a float32 copy first. ``seq_lens`` on the GPU are trusted
 (values outside ``[0, N]`` are undefined behaviour); host ``seq_lens`` are checked.
 
+Host time: the first build of a configuration (framework, device, stream, shapes, dtypes,
+seq_lens kind, options) prepares every launch and keeps the result as a plan
+(:mod:`stochattn.cuda._kmeans_cache`, at most :data:`BUILD_CACHE_SIZE` plans): the
+prepared argument lists, the cuBLAS wrapper, two events and the small scratch (O(H C)
+bytes, zeroed on the stream by every build). A later build of the same configuration
+allocates its outputs and large scratch, rewrites the data pointers, the seed and the
+lengths in the prepared lists and launches: no Numba argument handling, no
+``as_cuda_array`` for PyTorch and CuPy arrays. A plan serves one build at a time (another
+thread's build of the same configuration builds uncached).
+
 Limits: ``B * Hkv < 65536`` (grid axis y). Memory, beyond the outputs: the float16 keys
-(H, N, D) and the score chunk for the GEMM path, and a few (H, N) integer arrays.
+(H, N, D) and the score chunk for the GEMM path, and a few (H, N) integer arrays, all
+allocated by each build from the caller's framework (Numba's allocator for NumPy inputs).
 """
 
 from __future__ import annotations
@@ -89,10 +100,13 @@ from numba import cuda  # noqa: E402
 
 from .. import _validation as val  # noqa: E402
 from ..reference.kmeans import DEFAULT_TOL, check_tol  # noqa: E402
+from . import _kmeans_cache  # noqa: E402
 from . import _kmeans_kernels as _k  # noqa: E402
-from ._kmeans_build import _Build, _empty, _use_gemm  # noqa: E402
+from ._kmeans_build import (  # noqa: E402
+    _BuildPlan, _empty, _geometry, _Sizes, _stream_ptr, _use_gemm)
+from ._numba_launch import array_layout  # noqa: E402
 
-__all__ = ["kmeans_gpu", "GEMM_SCRATCH_BYTES"]
+__all__ = ["kmeans_gpu", "GEMM_SCRATCH_BYTES", "BUILD_CACHE_SIZE", "clear_build_cache"]
 
 _SIM = _k.SIM
 _TPB = _k.TPB
@@ -102,6 +116,18 @@ _philox_x0 = _k.philox_x0  # the tests call it directly
 #: Largest float16 score chunk of the GEMM path, in bytes (a module attribute, read at
 #: every call): tokens are processed in chunks of ``GEMM_SCRATCH_BYTES // (2 H C)`` rows.
 GEMM_SCRATCH_BYTES = 1 << 30
+
+#: Most build plans kept (a module attribute, read at every call; 0 turns the cache off).
+#: A plan (one per configuration: framework, device, stream, shapes, dtypes, options)
+#: keeps the prepared launches and O(B Hkv C) bytes of small scratch, so that a repeated
+#: build spends no host time on Numba's argument handling; the large scratch (float16
+#: keys, score chunk) is allocated by every build. See :mod:`stochattn.cuda._kmeans_cache`.
+BUILD_CACHE_SIZE = 8
+
+
+def clear_build_cache() -> None:
+    """Forget every cached build plan (and the device scratch they keep)."""
+    _kmeans_cache.clear()
 
 
 # ---- host side --------------------------------------------------------------------------
@@ -251,46 +277,95 @@ def kmeans_gpu(k, v, seq_lens=None, *, n_clusters, iterations=10, n_sink=4, wind
     device = _device_of(kind, k)
     ctx = cuda.gpus[device] if kind in ("torch", "cupy") and not _SIM else _NullContext()
     with ctx:
-        stream = _stream(kind, device)
-        if kind == "numpy":
-            k_dev = cuda.to_device(np.ascontiguousarray(k), stream=stream)
-            v_dev = cuda.to_device(np.ascontiguousarray(v), stream=stream)
+        lens_arr, host_lens, lens_key = _lens(seq_lens, B, N)
+        if kind == "numpy":  # copies on the legacy default stream (as every NumPy build)
+            stream = cuda.default_stream()
+            k = cuda.to_device(np.ascontiguousarray(k), stream=stream)
+            v = cuda.to_device(np.ascontiguousarray(v), stream=stream)
+            layout = (k.dtype.str,)
+        elif kind == "cai":
+            k, v = cuda.as_cuda_array(k, sync=False), cuda.as_cuda_array(v, sync=False)
+            layout = (array_layout(k), array_layout(v))
+        elif kind == "torch":
+            layout = (str(k.dtype), tuple(k.stride()), tuple(v.stride()))
         else:
-            k_dev = cuda.as_cuda_array(k, sync=False)
-            v_dev = cuda.as_cuda_array(v, sync=False)
-        if seq_lens is None:
-            lens_dev = cuda.to_device(np.full(B, N, dtype=np.int64), stream=stream)
-        elif isinstance(seq_lens, (np.ndarray, list, tuple)) or (
-                type(seq_lens).__module__.split(".")[0] == "torch" and not seq_lens.is_cuda):
-            host = np.asarray(seq_lens) if not hasattr(seq_lens, "numpy") else seq_lens.numpy()
-            val.check_seq_lens(host, B, N)
-            lens_dev = cuda.to_device(host.astype(np.int64), stream=stream)
-        else:
-            lens_dev = cuda.as_cuda_array(seq_lens, sync=False)
-            if tuple(lens_dev.shape) != (B,):
-                raise ValueError(f"`seq_lens` must have shape ({B},), got {tuple(lens_dev.shape)}")
-            if np.dtype(lens_dev.dtype).kind not in "iu":
-                raise TypeError(f"`seq_lens` must have an integer dtype, got {lens_dev.dtype}")
-
-        outs = dict(
-            centroids=_empty(kind, k, (B, Hkv, n_clusters, D), np.float32),
-            sizes=_empty(kind, k, (B, Hkv, n_clusters), np.int64),
-            value_sums=_empty(kind, k, (B, Hkv, n_clusters, D), np.float32),
-            labels=_empty(kind, k, (B, Hkv, N), np.int32),
-            window_start=_empty(kind, k, (B,), np.int64),
-            n_initialized=_empty(kind, k, (B, Hkv), np.int64),
-        )
-        dev = {name: a if kind in ("numpy", "cai") else cuda.as_cuda_array(a, sync=False)
-               for name, a in outs.items()}
-        _Build(kind, k, device, stream, k_dev, v_dev, lens_dev, dev, n_clusters, iterations,
-               n_sink, window, seed, tol, gemm, GEMM_SCRATCH_BYTES).run()
+            layout = (k.dtype.str, k.strides, v.strides)
+        stream_ptr = _stream_ptr(kind, device)
+        key = (kind, device, stream_ptr, B, Hkv, N, D, layout, n_clusters, iterations, n_sink,
+               window, tol, gemm, GEMM_SCRATCH_BYTES, lens_key, _geometry())
+        limit = BUILD_CACHE_SIZE
+        plan = _kmeans_cache.acquire(key) if limit > 0 else None
+        cached = plan is not None  # lent by the cache: hand it back whatever happens
+        try:
+            sizes = plan.sizes if cached else _Sizes(B, Hkv, N, D, n_clusters, iterations,
+                                                     n_sink, window, gemm, GEMM_SCRATCH_BYTES)
+            outs = dict(
+                centroids=_empty(kind, k, (B, Hkv, n_clusters, D), np.float32),
+                sizes=_empty(kind, k, (B, Hkv, n_clusters), np.int64),
+                value_sums=_empty(kind, k, (B, Hkv, n_clusters, D), np.float32),
+                labels=_empty(kind, k, (B, Hkv, N), np.int32),
+                window_start=_empty(kind, k, (B,), np.int64),
+                n_initialized=_empty(kind, k, (B, Hkv), np.int64),
+            )
+            # This build's arrays (the scratch from the caller's framework: freed when the
+            # call returns, stream-ordered there); Numba views only where needed (a cache
+            # hit on a GPU rebinds data pointers only).
+            arrays = dict(outs, k=k, v=v, **sizes.scratch(kind, k))
+            if lens_arr is not None:
+                arrays["lens"] = lens_arr
+            views = None
+            if not cached or plan.needs_views:
+                views = {name: a if hasattr(a, "copy_to_host")  # Numba's (or simulated)
+                         else cuda.as_cuda_array(a, sync=False) for name, a in arrays.items()}
+            if not cached:
+                stream = _stream(kind, device) if kind != "numpy" else stream
+                lens_mode = lens_key if lens_key in ("none", "host") else "gpu"
+                plan = _BuildPlan(kind, k, device, stream, stream_ptr, sizes, n_sink, window,
+                                  tol, lens_mode, views)
+                cached = _kmeans_cache.offer(key, plan, limit)
+            plan.bind(arrays, views, host_lens)
+            plan.run(seed)
+        finally:
+            if plan is not None:
+                plan.release()
+                if cached:
+                    _kmeans_cache.release(plan)
         if kind == "numpy":
-            result = {name: a.copy_to_host(stream=stream) for name, a in dev.items()}
-            stream.synchronize()
+            result = {name: outs[name].copy_to_host(stream=plan.stream) for name in outs}
+            plan.stream.synchronize()
             return result
-        if kind == "cai":
-            return dev
         return outs
+
+
+def _lens(seq_lens, B: int, N: int):
+    """(GPU array or None, int64 host copy or None, cache-key part) of ``seq_lens``: host
+    lengths are checked; GPU lengths have their shape and dtype checked (attributes only)
+    and are read in place (a Numba view for other array-interface objects)."""
+    if seq_lens is None:
+        return None, None, "none"
+    if isinstance(seq_lens, (np.ndarray, list, tuple)) or (
+            type(seq_lens).__module__.split(".")[0] == "torch" and not seq_lens.is_cuda):
+        host = np.asarray(seq_lens) if not hasattr(seq_lens, "numpy") else seq_lens.numpy()
+        val.check_seq_lens(host, B, N)
+        return None, np.ascontiguousarray(host, dtype=np.int64).reshape(B), "host"
+    module = type(seq_lens).__module__.split(".")[0]
+    if module == "torch":
+        dtype = str(seq_lens.dtype).replace("torch.", "")
+        shape, strides = tuple(seq_lens.shape), tuple(seq_lens.stride())
+    else:
+        if module != "cupy" and not hasattr(seq_lens, "copy_to_host"):  # not Numba's
+            seq_lens = cuda.as_cuda_array(seq_lens, sync=False)
+        dtype = np.dtype(seq_lens.dtype).name
+        shape, strides = tuple(seq_lens.shape), tuple(seq_lens.strides)
+    if shape != (B,):
+        raise ValueError(f"`seq_lens` must have shape ({B},), got {shape}")
+    try:
+        integer = np.dtype(dtype).kind in "iu"
+    except TypeError:  # a PyTorch dtype without a NumPy name (bfloat16)
+        integer = False
+    if not integer:
+        raise TypeError(f"`seq_lens` must have an integer dtype, got {dtype}")
+    return seq_lens, None, ("gpu", module, dtype, strides)
 
 
 class _NullContext:

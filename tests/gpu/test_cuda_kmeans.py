@@ -192,3 +192,46 @@ def test_gemm_path_equals_scan_ragged_shapes():
     for name in gemm:
         np.testing.assert_array_equal(gemm[name], scan[name], err_msg=name)
     assert not gemm["labels"][0, 1][gemm["labels"][0, 1] >= 0].any()
+
+
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+def test_cached_plan_rebinds_pointers(framework, monkeypatch):
+    """On a GPU a cached plan's launches are all prepared (a repeated build rebinds data
+    pointers, no Numba views): builds of one configuration with other keys, values, GPU
+    seq_lens and seeds, each on fresh outputs and scratch, give the uncached index bit for
+    bit; the plan is reused, and another stream gets a plan of its own."""
+    from stochattn.cuda import _kmeans_cache
+
+    torch = pytest.importorskip("torch") if framework == "torch" else None
+    kw = dict(KW, iterations=3, tol=0.05)
+
+    def dev(a, dtype=None):
+        a = a if dtype is None else a.astype(dtype)
+        return cupy.asarray(a) if torch is None else torch.tensor(a, device="cuda")
+
+    def host(out):
+        return {n: cupy.asnumpy(a) if torch is None else a.cpu().numpy() for n, a in out.items()}
+
+    km.clear_build_cache()
+    monkeypatch.setattr(km, "BUILD_CACHE_SIZE", 8)
+    for i, (lens, seed) in enumerate(((LENS, 1), (np.array([2000, 4096]), 2**63 + 5))):
+        k, v = _inputs(10 + i)
+        k, v = k[:, :, :2048], v[:, :, :2048]
+        lens = np.minimum(lens, 2048)
+        args = (dev(k), dev(v), dev(lens, np.int64))
+        got = host(kmeans_gpu(*args, **dict(kw, seed=seed)))
+        assert _kmeans_cache.size() == 1
+        plan = next(iter(_kmeans_cache._plans.values()))
+        assert not plan.needs_views and not plan.in_use
+        with monkeypatch.context() as m:
+            m.setattr(km, "BUILD_CACHE_SIZE", 0)
+            want = host(kmeans_gpu(*args, **dict(kw, seed=seed)))
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"{name}, build {i}")
+    other = cupy.cuda.Stream(non_blocking=True) if torch is None else torch.cuda.Stream()
+    with (other if torch is None else torch.cuda.stream(other)):
+        again = host(kmeans_gpu(*args, **dict(kw, seed=seed)))
+    assert _kmeans_cache.size() == 2
+    for name in want:
+        np.testing.assert_array_equal(again[name], want[name], err_msg=f"{name}, other stream")
+    km.clear_build_cache()
