@@ -27,8 +27,11 @@ __all__ = [
     "TileConfig",
     "TcTiling",
     "TC_TILINGS",
+    "PROP_TC_TILINGS",
     "get_tc_tiling",
     "set_tc_tiling",
+    "get_prop_tc_tiling",
+    "set_prop_tc_tiling",
     "DEFAULT_CONFIG",
     "get_config",
     "set_config",
@@ -171,18 +174,19 @@ def set_config(config: TileConfig) -> TileConfig:
 
 @dataclass(frozen=True)
 class TcTiling:
-    """Tiling of the tensor-core exact decode kernel (``exact_decode_tc.cu``; template
-    parameters, independent of :class:`TileConfig`): ``warps`` per CTA, each streaming its
-    own tiles of ``rows`` keys (a multiple of 16) through ``stages`` cp.async buffers of K
-    and V."""
+    """Tiling of a tensor-core decode kernel (template parameters, independent of
+    :class:`TileConfig`): ``warps`` per CTA, each streaming its own tiles of ``rows`` keys (a
+    multiple of 16) through ``stages`` cp.async buffers of ``matrices`` matrices (2: K and V,
+    ``exact_decode_tc.cu``; 1: K alone, ``santa_prop_logits_tc``)."""
 
     warps: int = 8
     rows: int = 16
     stages: int = 3
+    matrices: int = 2
 
     def __post_init__(self):
         if self.warps not in (2, 4, 8) or self.rows not in (16, 32, 64) \
-                or not 2 <= self.stages <= 8:
+                or not 2 <= self.stages <= 8 or self.matrices not in (1, 2):
             raise ValueError(f"unsupported tensor-core tiling: {self}")
         if self.smem_bytes(max(HEAD_DIMS)) > _SMEM_LIMIT:
             raise ValueError(f"tensor-core tiling {self} needs {self.smem_bytes(max(HEAD_DIMS))} "
@@ -194,9 +198,11 @@ class TcTiling:
         return 32 * self.warps
 
     def smem_bytes(self, head_dim: int) -> int:
-        """Per-warp K+V rings, reused by the cross-warp merge ((2 + D) floats per warp and
-        head, 8 heads)."""
-        rings = self.warps * self.stages * 2 * self.rows * head_dim * 2
+        """Per-warp rings; with K and V, reused by the cross-warp merge ((2 + D) floats per
+        warp and head, 8 heads)."""
+        rings = self.warps * self.stages * self.matrices * self.rows * head_dim * 2
+        if self.matrices == 1:
+            return rings
         return max(rings, (2 + head_dim) * self.warps * 8 * 4)
 
     def align(self) -> int:
@@ -207,7 +213,7 @@ class TcTiling:
         return f"{self.warps}, {self.rows}, {self.stages}"
 
     def label(self) -> str:
-        return f"tc w{self.warps} r{self.rows} s{self.stages}"
+        return f"tc w{self.warps} r{self.rows} s{self.stages}" + (" K" if self.matrices == 1 else "")
 
 
 _SMEM_LIMIT = 227 * 1024  # sm_90: dynamic shared memory per CTA
@@ -220,6 +226,11 @@ _SMEM_LIMIT = 227 * 1024  # sm_90: dynamic shared memory per CTA
 # and gives up ~1.5% at batch 32 / 128k against w4 r32 s2.
 TC_TILINGS = (TcTiling(8, 16, 3), TcTiling(4, 16, 3), TcTiling(4, 16, 4), TcTiling(4, 32, 2))
 _active_tc = [TC_TILINGS[0]]
+
+# The compiled tilings of S²ANTA-prop's tensor-core pass 1 (santa_prop_logits_tc: K rings
+# only, rows 16 or 32); the first is the default (bench/prop_breakdown.py --tilings).
+PROP_TC_TILINGS = (TcTiling(8, 16, 3, 1), TcTiling(8, 16, 6, 1), TcTiling(4, 32, 4, 1))
+_active_prop_tc = [PROP_TC_TILINGS[0]]
 
 
 def get_tc_tiling() -> TcTiling:
@@ -237,6 +248,20 @@ def set_tc_tiling(tiling: TcTiling) -> TcTiling:
 
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
+
+
+def get_prop_tc_tiling() -> TcTiling:
+    """The tiling that ``santa_prop(..., kernel="tc")`` launches now."""
+    return _active_prop_tc[0]
+
+
+def set_prop_tc_tiling(tiling: TcTiling) -> TcTiling:
+    """Launch ``tiling`` (one of :data:`PROP_TC_TILINGS`) for prop's pass 1 from now on
+    (tuning); returns the previous one."""
+    if tiling not in PROP_TC_TILINGS:
+        raise ValueError(f"`tiling` must be one of the compiled {PROP_TC_TILINGS}, got {tiling!r}")
+    prev, _active_prop_tc[0] = _active_prop_tc[0], tiling
+    return prev
 
 
 def group_max(group: int) -> int:
@@ -297,6 +322,8 @@ def name_expressions(family: str, dtypes=None) -> list:
                     names.append(f"santa_prop_logits<{ctype}, {d}, {gm}, false>")
                     names.append(f"santa_prop_logits<{ctype}, {d}, {gm}, true>")
                 names.append(f"santa_prop_sample<{ctype}, {d}>")
+                for t in PROP_TC_TILINGS:
+                    names.append(f"santa_prop_logits_tc<{ctype}, {d}, {t.template_args()}>")
             names.append(f"bernoulli_qhat<{ctype}>")
             for gm in GROUP_MAXES:
                 names.append(f"bernoulli_logits_fm<{ctype}, {gm}>")

@@ -38,108 +38,9 @@
 // bound's minimum of 1 CTA stops ptxas from capping registers (it spilled at D 64, 8 warps).
 #include "decode_common.cuh"
 #include "group_state.cuh"
+#include "tc_common.cuh"
 #include "exact_decode.cu"
 
-namespace stochattn {
-namespace tc {
-
-// Two floats -> one 32-bit word of two T, `lo` at the lower address (the mma's element
-// order: lower column in the low half). cvt.rn.{f16x2,bf16x2}.f32 d, a, b puts a in the
-// upper half.
-template <typename T>
-struct Pack;
-
-template <>
-struct Pack<f16> {
-  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-  }
-};
-
-template <>
-struct Pack<bf16> {
-  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-  }
-};
-
-// D += A . B for one m16n8k16 tile with A rows 8..15 zero (a1 = a3 = 0) and the accumulator
-// rows 8..15 discarded: d0, d1 are row groupID, columns 2 tig, 2 tig + 1.
-template <typename T>
-__device__ __forceinline__ void mma_rows8(float& d0, float& d1, unsigned a0, unsigned a2,
-                                          unsigned b0, unsigned b1);
-
-template <>
-__device__ __forceinline__ void mma_rows8<f16>(float& d0, float& d1, unsigned a0, unsigned a2,
-                                               unsigned b0, unsigned b1) {
-  float u2, u3;  // rows 8..15: zero, unused
-  asm(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%10, %11, %12, %13};\n"
-      : "=f"(d0), "=f"(d1), "=f"(u2), "=f"(u3)
-      : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(d0), "f"(d1), "f"(0.f),
-        "f"(0.f));
-}
-
-template <>
-__device__ __forceinline__ void mma_rows8<bf16>(float& d0, float& d1, unsigned a0, unsigned a2,
-                                                unsigned b0, unsigned b1) {
-  float u2, u3;  // rows 8..15: zero, unused
-  asm(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%10, %11, %12, %13};\n"
-      : "=f"(d0), "=f"(d1), "=f"(u2), "=f"(u3)
-      : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(d0), "f"(d1), "f"(0.f),
-        "f"(0.f));
-}
-
-// Four 8x8 matrices of 16-bit elements from shared memory; lane 8 i + j gives the address
-// of row j of matrix i. Non-transposed: lane t gets row t / 4, elements 2 (t % 4) + {0, 1}
-// of matrix i in r[i]; transposed: elements (2 (t % 4) + {0, 1}, t / 4).
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-// Byte offset of 16-byte piece c of row r in a swizzled tile of rows of D elements.
-template <int D>
-__device__ __forceinline__ int swz(int r, int c) {
-  return r * (D * 2) + ((c ^ (r & 7)) << 4);
-}
-
-// One warp's cp.async copies of a tile of ROWS rows starting at row0 (K and V), rows at or
-// past `end` zero-filled (their logits are masked to -inf; zeros keep 0 * V finite).
-template <int D, int ROWS>
-__device__ __forceinline__ void load_tile(unsigned char* sk, unsigned char* sv,
-                                          const unsigned char* kbase, const unsigned char* vbase,
-                                          long long row0, long long end, int lane) {
-  constexpr int kPieces = D / 8;  // 16-byte pieces per row
-  constexpr int kPerLane = ROWS * kPieces / 32;
-  static_assert(kPerLane * 32 == ROWS * kPieces, "a tile must split evenly over the lanes");
-#pragma unroll
-  for (int j = 0; j < kPerLane; ++j) {
-    const int p = lane + 32 * j;
-    const int r = p / kPieces, c = p % kPieces;
-    const bool valid = row0 + r < end;
-    const long long off = valid ? (row0 + r) * (D * 2) + c * 16 : 0;  // a legal address
-    cp_async16(sk + swz<D>(r, c), kbase + off, valid);
-    cp_async16(sv + swz<D>(r, c), vbase + off, valid);
-  }
-}
-
-}  // namespace tc
-}  // namespace stochattn
 
 template <typename T, int D, int WARPS, int ROWS, int STAGES>
 __global__ void __launch_bounds__(WARPS * 32, 1)
@@ -174,17 +75,8 @@ exact_decode_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T*
     return;
   }
 
-  // A fragments of the queries: head grp (zero for grp >= G), features 16 s + 2 tig + {0, 1}
-  // (qa[s][0]) and 16 s + 8 + 2 tig + {0, 1} (qa[s][1]).
-  unsigned qa[KS][2];
-  {
-    const unsigned* qrow = reinterpret_cast<const unsigned*>(q + (head0 + grp) * D);
-#pragma unroll
-    for (int s = 0; s < KS; ++s) {
-      qa[s][0] = grp < G ? qrow[8 * s + tig] : 0u;
-      qa[s][1] = grp < G ? qrow[8 * s + 4 + tig] : 0u;
-    }
-  }
+  unsigned qa[KS][2];  // A fragments of the queries (tc_common.cuh)
+  tc::load_query_frags<T, D>(qa, q, head0, G, grp, tig);
 
   const long long stream_off = ((long long)b * Hkv + kvh) * N * D;  // 64-bit element offset
   const unsigned char* kbase = reinterpret_cast<const unsigned char*>(k + stream_off);
@@ -201,7 +93,8 @@ exact_decode_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T*
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < my_tiles) {
       unsigned char* st = ring + s * kStageBytesTc;
-      tc::load_tile<D, ROWS>(st, st + kTileBytes, kbase, vbase, tile_row0(s), end, lane);
+      tc::load_rows<D, ROWS>(st, kbase, tile_row0(s), end, lane);
+      tc::load_rows<D, ROWS>(st + kTileBytes, vbase, tile_row0(s), end, lane);
     }
     cp_async_commit();
   }
@@ -213,11 +106,9 @@ exact_decode_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T*
 #pragma unroll
   for (int n = 0; n < NO; ++n) o[n][0] = o[n][1] = 0.f;
 
-  // ldmatrix lane roles. K (non-transposed): matrix i = piece 4 p + i of rows 8 t + (lane & 7)
-  // gives b0, b1 of k-steps 2 p and 2 p + 1 of key tile t. V (transposed): matrices
+  // ldmatrix lane roles for V (transposed; K's are in tc::tile_logits): matrices
   // (keys 0-7, piece 2 j), (keys 8-15, piece 2 j), (keys 0-7, piece 2 j + 1), (keys 8-15,
   // piece 2 j + 1) of a 16-key step give b0, b1 of output tiles 2 j and 2 j + 1.
-  const int k_row = lane & 7, k_piece = lane >> 3;
   const int v_row = (lane & 7) + ((lane >> 3) & 1) * 8, v_piece = lane >> 4;
 
   int rd = 0, wr = STAGES - 1;
@@ -226,8 +117,8 @@ exact_decode_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T*
     __syncwarp();  // every lane's copies of tile i landed; every lane is done with tile i-1
     if (i + STAGES - 1 < my_tiles) {
       unsigned char* st = ring + wr * kStageBytesTc;
-      tc::load_tile<D, ROWS>(st, st + kTileBytes, kbase, vbase, tile_row0(i + STAGES - 1), end,
-                             lane);
+      tc::load_rows<D, ROWS>(st, kbase, tile_row0(i + STAGES - 1), end, lane);
+      tc::load_rows<D, ROWS>(st + kTileBytes, vbase, tile_row0(i + STAGES - 1), end, lane);
     }
     cp_async_commit();
     const unsigned sk = ring_s + rd * kStageBytesTc;
@@ -238,17 +129,7 @@ exact_decode_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T*
 
     // S^T: x[t][e] = logit of head grp, key 8 t + 2 tig + e.
     float x[NT][2];
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      x[t][0] = x[t][1] = 0.f;
-#pragma unroll
-      for (int p = 0; p < KS / 2; ++p) {
-        unsigned r[4];
-        tc::ldmatrix_x4(r, sk + tc::swz<D>(8 * t + k_row, 4 * p + k_piece));
-        tc::mma_rows8<T>(x[t][0], x[t][1], qa[2 * p][0], qa[2 * p][1], r[0], r[1]);
-        tc::mma_rows8<T>(x[t][0], x[t][1], qa[2 * p + 1][0], qa[2 * p + 1][1], r[2], r[3]);
-      }
-    }
+    tc::tile_logits<T, D, ROWS>(x, sk, qa, lane);
 
     // Scale, mask rows past the end, one max shift per tile (the quad's lanes share it).
     float xm = STOCHATTN_NEG_INF;

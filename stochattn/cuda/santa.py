@@ -13,7 +13,7 @@ from ..reference.samplers import SAMPLERS
 from . import _inputs, _module, _sources
 from ._sources import group_max
 
-__all__ = ["santa_prop", "TILE_SIZES"]
+__all__ = ["santa_prop", "TILE_SIZES", "KERNELS"]
 
 _SAMPLE_THREADS = 256  # santa_prop.cu: kSampleThreads
 _TILE_THREADS = 256  # santa_prop.cu: kTileThreads
@@ -29,12 +29,17 @@ _QHAT_THREADS = 128  # bernoulli.cuh: kQhatThreads
 _FM_THREADS = 128  # bernoulli.cuh: kFmThreads
 _FM_TOKENS_PER_PASS = _FM_THREADS * 8  # bernoulli.cuh: kFmThreads * kFmTokens
 TILE_SIZES = (32, 64, 128, 256)
+# Pass 1 with exact scores: "simt" (santa_prop_logits on the CUDA cores, then the
+# santa_prop_tiles launch) or "tc" (santa_prop_logits_tc: mma.sync, tile statistics in the
+# same pass). The default with exact scores is "tc"; Bernoulli scores have only "simt".
+KERNELS = ("simt", "tc")
 
 
 def santa_prop(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_size=64, seed=0,
                offset=0, softmax_scale=None, return_indices=False, num_chunks=None,
                check_seq_lens=False, scores="exact", bernoulli_draws=4,
-               bernoulli_group_shared=False, k_feature_major=None, return_feature_fraction=False):
+               bernoulli_group_shared=False, k_feature_major=None, return_feature_fraction=False,
+               kernel=None):
     """S²ANTA-prop estimate of one decode step on the GPU: ``(1/S) sum_m v[J_m]``.
 
     The S points of ``sampler`` (the reference's global points: Philox stream row
@@ -88,6 +93,12 @@ def santa_prop(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_siz
     return_feature_fraction : bool
         Also return the fraction of the D key features each query head reads (B, Hq),
         float32 (all ones for exact scores); only with ``"bernoulli"``.
+    kernel : {"simt", "tc"}, optional
+        Pass 1 (logits and tile statistics) with exact scores: "tc" on the tensor cores
+        (mma.sync m16n8k16, fp32 accumulate, the tile statistics in the same pass), "simt"
+        on the CUDA cores (fp32 dot products, then a second launch for the tile
+        statistics). Default (None): "tc" with exact scores, "simt" with Bernoulli scores
+        (the only one they have). The sampling and gather are the same for both.
 
     Returns
     -------
@@ -114,13 +125,14 @@ def santa_prop(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_siz
         k_feature_major = _feature_major_input(inp, k_feature_major)
         kfm_meta = inp.ops.meta(k_feature_major)
     score = _ScoreStage.of(scores, bernoulli_draws, bernoulli_group_shared, kfm_meta, want_frac)
-    config = _sources.get_config()  # pass 1 tiling
+    tiling = _pass1_tiling(kernel, score)
+    config = _sources.get_config()  # pass 1 tiling of the CUDA-core kernels
     key = ("santa_prop", inp.key, type(budget), budget, sampler, type(tile_size), tile_size,
            type(softmax_scale), softmax_scale, type(num_chunks), num_chunks, bool(return_indices),
-           score, config)
+           score, config, tiling)
     plan = _inputs.cached_plan(
         key, lambda: _PropPlan(inp, budget, sampler, tile_size, softmax_scale, num_chunks, config,
-                               score))
+                               score, tiling))
     return plan.run(inp, seq_lens, check_seq_lens, seed, offset, bool(return_indices),
                     k_feature_major)
 
@@ -146,6 +158,19 @@ class _ScoreStage(NamedTuple):
         return _ScoreStage(bern, draws if bern else 0, group_shared and bern, kfm_meta, want_frac)
 
 
+def _pass1_tiling(kernel, score):
+    """The tensor-core tiling of pass 1, or None for the CUDA-core kernels."""
+    if kernel is not None and kernel not in KERNELS:
+        raise ValueError(f"`kernel` must be one of {', '.join(map(repr, KERNELS))} or None, "
+                         f"got {kernel!r}")
+    if score.bernoulli:
+        if kernel == "tc":
+            raise ValueError("`kernel='tc'` needs scores='exact' (the Bernoulli score stage runs "
+                             "on the CUDA cores)")
+        return None
+    return None if kernel == "simt" else _sources.get_prop_tc_tiling()
+
+
 def check_draws(name, draws) -> int:
     """Bernoulli draws: a positive int whose draw counter i * D + j fits in 32 bits."""
     draws = val.check_positive_int(name, draws)
@@ -165,7 +190,8 @@ def _feature_major_input(inp, kfm):
 class _PropPlan:
     """Everything one configuration of :func:`santa_prop` needs, resolved once."""
 
-    def __init__(self, inp, budget, sampler, tile_size, softmax_scale, num_chunks, config, score):
+    def __init__(self, inp, budget, sampler, tile_size, softmax_scale, num_chunks, config, score,
+                 tiling=None):
         S = val.check_budget("budget", budget)
         val.check_choice("sampler", sampler, SAMPLERS)
         if not isinstance(tile_size, (int, np.integer)) or isinstance(tile_size, bool):
@@ -178,7 +204,7 @@ class _PropPlan:
         if s.batch * s.q_heads >= 2**28:
             raise ValueError(f"`q` batch * heads must be below 2**28 (random-stream rows), got "
                              f"{s.batch * s.q_heads}")
-        self.shape, self.S = s, S
+        self.shape, self.S, self.tiling = s, S, tiling
         ctype = _sources.CTYPES[dtype_name]
         n_tiles = math.ceil(s.tokens / ts)
         n_pad = n_tiles * ts
@@ -190,12 +216,18 @@ class _PropPlan:
         if score.kfm_meta is not None:
             _check_feature_major(score.kfm_meta, inp, s, self.device)
         with _inputs.device_scope(self.device):
-            qhat = "true" if score.bernoulli else "false"
-            name1 = f"santa_prop_logits<{ctype}, {s.head_dim}, {gm}, {qhat}>"
+            if tiling is None:
+                qhat = "true" if score.bernoulli else "false"
+                name1 = f"santa_prop_logits<{ctype}, {s.head_dim}, {gm}, {qhat}>"
+                align = config.tile_rows(s.head_dim)
+            else:  # tile statistics in pass 1: chunks hold whole sampling tiles
+                name1 = f"santa_prop_logits_tc<{ctype}, {s.head_dim}, {tiling.template_args()}>"
+                smem1, align = tiling.smem_bytes(s.head_dim), max(tiling.align(), ts)
+                self.threads1 = tiling.threads
             self.logits = _module.launcher("santa_prop", name1, smem1, config)
             chunks, chunk_len = _module.split_tokens("santa_prop", name1, smem1, config,
-                                                     s.batch * s.kv_heads, s.tokens,
-                                                     config.tile_rows(s.head_dim), num_chunks)
+                                                     s.batch * s.kv_heads, s.tokens, align,
+                                                     num_chunks, threads=self.threads1)
             if score.bernoulli:
                 self.qhat = _module.launcher("santa_prop", f"bernoulli_qhat<{ctype}>", 0, config)
             if score.kfm_meta is not None:
@@ -205,7 +237,8 @@ class _PropPlan:
                     "santa_prop", name_fm, 0, config, s.batch * s.kv_heads, s.tokens,
                     _FM_TOKENS_PER_PASS, None)
                 self.grid_fm = (fm_chunks, s.kv_heads, s.batch)
-            self.tiles = _module.launcher("santa_prop", "santa_prop_tiles", 0, config)
+            self.tiles = _module.launcher("santa_prop", "santa_prop_tiles", 0, config) \
+                if tiling is None else None
             self.sample = _module.launcher("santa_prop", f"santa_prop_sample<{ctype}, {s.head_dim}>",
                                            0, config)
         self.chunks, self.chunk_len = chunks, chunk_len
@@ -230,6 +263,7 @@ class _PropPlan:
         self.offsets, self.scratch_bytes = tuple(offsets), total
         self.tail1 = (np.int32(s.kv_heads), np.int32(s.group), np.int64(s.tokens),
                       np.int64(chunk_len), np.int64(n_pad), np.float32(scale))
+        self.tail_tc = self.tail1[:5] + (np.int64(n_tiles), np.int32(ts), np.float32(scale))
         self.scale = scale
         self.frac_shape = (s.batch, s.q_heads)
         self.tail_tiles = (np.int32(s.q_heads), np.int64(s.tokens), np.int64(n_pad),
@@ -253,7 +287,10 @@ class _PropPlan:
             indices = ops.empty(inp.q, self.idx_shape, "int64") if return_indices else None
             idxp = _inputs.NULL if indices is None else np.uint64(ops.ptr(indices))  # null: none
             frac = ops.empty(inp.q, self.frac_shape, "float32") if score.want_frac else None
-            if not score.bernoulli:
+            if self.tiles is None:  # tensor cores: logits and tile statistics
+                self.logits(self.grid1, (self.threads1,),
+                            (qp, kp, lens, logits, tile_m, tile_l) + self.tail_tc, stream)
+            elif not score.bernoulli:
                 self.logits(self.grid1, (self.threads1,), (qp, kp, lens, logits) + self.tail1, stream)
             else:
                 rng = (np.uint64(seed), np.uint32(offset))
@@ -271,8 +308,9 @@ class _PropPlan:
                                     np.int32(s.kv_heads), np.int32(s.group), np.int32(s.head_dim),
                                     np.int64(s.tokens), np.int64(score.kfm_meta[1][-1]),
                                     np.int64(self.fm_chunk_len), self.tail1[4]), stream)
-            self.tiles(self.grid_tiles, (_TILE_THREADS,),
-                       (logits, lens, tile_m, tile_l) + self.tail_tiles, stream)
+            if self.tiles is not None:
+                self.tiles(self.grid_tiles, (_TILE_THREADS,),
+                           (logits, lens, tile_m, tile_l) + self.tail_tiles, stream)
             self.sample(self.grid2, (_SAMPLE_THREADS,),
                         (vp, lens, logits, tile_m, tile_l, C, iid, idx32, idxp, outp) + self.mid2
                         + (np.uint64(seed), np.uint32(offset)) + _VALUE_STAGE_OUT, stream)

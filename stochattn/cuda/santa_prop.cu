@@ -33,6 +33,7 @@
 #include "decode_common.cuh"
 #include "philox.cuh"
 #include "bernoulli.cuh"
+#include "tc_common.cuh"
 
 using namespace stochattn;
 
@@ -128,6 +129,121 @@ santa_prop_logits(const void* __restrict__ qv, const T* __restrict__ k,
           const int r = rg + p * RG;
           if (g < G && row0 + r < end) xout[g * n_pad + row0 + r] = x[i];
         }
+      }
+    }
+  }
+  cp_async_wait<0>();
+}
+
+// ---- 1 + 2 on the tensor cores: logits and tile statistics in one pass -------------------
+// The exact-scores pass 1 as exact_decode_tc_chunk's S^T = Q K^T (tc_common.cuh: the
+// group's heads as the mma's M rows, fp32 accumulate, then times `scale`), with the tile
+// statistics of santa_prop_tiles computed on the way, so launch 2 is not needed. Grid
+// (num_chunks, Hkv, B); chunk_len is a multiple of tile_size, so no sampling tile crosses
+// a chunk. Each warp owns whole sampling tiles (spans w, w + WARPS, ... of the chunk) and
+// streams their ROWS-row pieces through its own STAGES-deep cp.async ring of K (no CTA
+// barrier); lane (grp, tig) writes the logits of head grp, keys 8 t + 2 tig + {0, 1}, and
+// keeps that head's running tile max m and its partial sum of exp(x - m), rescaled when m
+// grows (the quad's partial sums are added at the end of the tile). Rows past the sequence
+// are not written and count as -inf. m_t and l_t equal santa_prop_tiles' up to the rounding
+// of the fp32 sums (l_t >= 1: the max row adds exp(0)).
+template <typename T, int D, int WARPS, int ROWS, int STAGES>
+__global__ void __launch_bounds__(WARPS * 32, 1)
+santa_prop_logits_tc(const T* __restrict__ q, const T* __restrict__ k,
+                     const int* __restrict__ seq_lens, float* __restrict__ logits,
+                     float* __restrict__ tile_m, float* __restrict__ tile_l, int Hkv, int G,
+                     long long N, long long chunk_len, long long n_pad, long long n_tiles,
+                     int tile_size, float scale) {
+  static_assert(D == 64 || D == 128, "head_dim must be 64 or 128");
+  static_assert(ROWS == 16 || ROWS == 32, "ROWS must divide the smallest tile (32)");
+  static_assert(STAGES >= 2 && STAGES <= 8, "STAGES must be in [2, 8]");
+  constexpr int NT = ROWS / 8;  // n8 tiles of keys per piece
+  constexpr int kTileBytes = ROWS * D * 2;
+
+  const int chunk = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int Hq = Hkv * G;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int grp = lane >> 2, tig = lane & 3;
+
+  const long long len = sequence_length(seq_lens, b, N);
+  const long long start = (long long)chunk * chunk_len;
+  const long long end = min(start + chunk_len, len);
+  if (start >= end) return;  // logits and tiles past the sequence are never read
+  const long long head0 = (long long)b * Hq + (long long)kvh * G;
+
+  unsigned qa[D / 16][2];
+  tc::load_query_frags<T, D>(qa, q, head0, G, grp, tig);
+  const long long row_h = grp < G ? head0 + grp : head0;  // a valid row for the address
+  float* xout = logits + row_h * n_pad;
+  float* tm = tile_m + row_h * n_tiles;
+  float* tl = tile_l + row_h * n_tiles;
+
+  const unsigned char* kbase =
+      reinterpret_cast<const unsigned char*>(k + ((long long)b * Hkv + kvh) * N * D);
+  const int per_span = tile_size / ROWS;  // pieces per sampling tile
+  const long long nspans = (end - start + tile_size - 1) / tile_size;
+  const long long my_spans = nspans > warp ? (nspans - warp + WARPS - 1) / WARPS : 0;
+  const long long my_pieces = my_spans * per_span;  // pieces wholly past `end` read nothing
+  auto piece_row0 = [&](long long i) {
+    return start + ((i / per_span) * WARPS + warp) * tile_size + (i % per_span) * ROWS;
+  };
+  unsigned char* ring = dynamic_smem() + warp * (STAGES * kTileBytes);
+  const unsigned ring_s = static_cast<unsigned>(__cvta_generic_to_shared(ring));
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < my_pieces) tc::load_rows<D, ROWS>(ring + s * kTileBytes, kbase, piece_row0(s), end, lane);
+    cp_async_commit();
+  }
+
+  float m = STOCHATTN_NEG_INF, l = 0.f;  // head grp's running statistics of the tile
+  int rd = 0, wr = STAGES - 1;
+  for (long long i = 0; i < my_pieces; ++i) {
+    cp_async_wait<STAGES - 2>();
+    __syncwarp();  // every lane's copies of piece i landed; every lane is done with i - 1
+    if (i + STAGES - 1 < my_pieces)
+      tc::load_rows<D, ROWS>(ring + wr * kTileBytes, kbase, piece_row0(i + STAGES - 1), end, lane);
+    cp_async_commit();
+    const unsigned sk = ring_s + rd * kTileBytes;
+    rd = rd + 1 == STAGES ? 0 : rd + 1;
+    wr = wr + 1 == STAGES ? 0 : wr + 1;
+    const long long row0 = piece_row0(i);
+
+    float x[NT][2];
+    tc::tile_logits<T, D, ROWS>(x, sk, qa, lane);
+    float xm = STOCHATTN_NEG_INF;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const long long r = row0 + 8 * t + 2 * tig;  // even: the pair is 8-byte aligned
+      x[t][0] = r < end ? x[t][0] * scale : STOCHATTN_NEG_INF;
+      x[t][1] = r + 1 < end ? x[t][1] * scale : STOCHATTN_NEG_INF;
+      if (grp < G) {
+        if (r + 1 < end)
+          *reinterpret_cast<float2*>(xout + r) = make_float2(x[t][0], x[t][1]);
+        else if (r < end)
+          xout[r] = x[t][0];
+      }
+      xm = fmaxf(xm, fmaxf(x[t][0], x[t][1]));
+    }
+    xm = fmaxf(xm, __shfl_xor_sync(0xffffffffu, xm, 1));
+    xm = fmaxf(xm, __shfl_xor_sync(0xffffffffu, xm, 2));
+    const int sub = (int)(i % per_span);  // uniform over the warp
+    if (sub == 0) {
+      m = STOCHATTN_NEG_INF;
+      l = 0.f;
+    }
+    const float mn = fmaxf(m, xm);  // finite: a piece that starts a tile has a row < end
+    l *= expf(m - mn);              // exp(-inf) = 0 on a tile's first piece
+#pragma unroll
+    for (int t = 0; t < NT; ++t) l += expf(x[t][0] - mn) + expf(x[t][1] - mn);
+    m = mn;
+    if (sub == per_span - 1) {
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      if (grp < G && tig == 0) {
+        const long long t = (row0 - (per_span - 1) * ROWS) / tile_size;
+        tm[t] = m;
+        tl[t] = l;
       }
     }
   }
@@ -433,15 +549,27 @@ santa_prop_sample(const T* __restrict__ v, const int* __restrict__ seq_lens,
     const float* x = xrow + tok0;
     // First row whose cumsum exceeds the target; a target at or past the tile's mass
     // (rounding: l_t is an fp32 sum) takes the last positive-weight row, as the reference.
+    // The logits come kAhead at a time (16-byte loads, all issued before any is used: the
+    // walk is a chain of memory latencies otherwise); the additions stay in row order.
+    // Rows j >= n are read (the stash is padded to whole tiles) but never used.
+    constexpr int kAhead = 32;  // divides every tile size
     int r = -1, lastp = -1;
     double cum = 0.0;
-    for (int j = 0; j < n; ++j) {
-      const float w = expf(x[j] - mt);  // <= 1: x <= m_t
-      if (w > 0.f) lastp = j;
-      cum += (double)w;
-      if (cum > target) {
-        r = j;
-        break;
+    for (int j0 = 0; j0 < n && r < 0; j0 += kAhead) {
+      float xs[kAhead];
+#pragma unroll
+      for (int u = 0; u < kAhead; u += 4) {
+        const float4 f = *reinterpret_cast<const float4*>(x + j0 + u);
+        xs[u] = f.x; xs[u + 1] = f.y; xs[u + 2] = f.z; xs[u + 3] = f.w;
+      }
+#pragma unroll
+      for (int u = 0; u < kAhead; ++u) {
+        if (r < 0 && j0 + u < n) {
+          const float w = expf(xs[u] - mt);  // <= 1: x <= m_t
+          if (w > 0.f) lastp = j0 + u;
+          cum += (double)w;
+          if (cum > target) r = j0 + u;
+        }
       }
     }
     const int J = (int)tok0 + (r >= 0 ? r : max(lastp, 0));

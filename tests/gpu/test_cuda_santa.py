@@ -18,7 +18,8 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from stochattn.cuda.santa import santa_prop  # noqa: E402
+from stochattn.cuda import _sources  # noqa: E402
+from stochattn.cuda.santa import KERNELS, santa_prop  # noqa: E402
 from stochattn.reference import santa as ref_santa  # noqa: E402
 from stochattn.reference.common import lengths, logits  # noqa: E402
 from stochattn.reference.exact import exact_attention as ref_exact  # noqa: E402
@@ -32,13 +33,14 @@ _EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7}  # one ulp at 1.0 of the outpu
 
 
 def _run(dtype, B, Hkv, G, N, D, S, sampler, tile_size, lens, *, seed, offset=7, temp=2.0,
-         num_chunks=None):
+         num_chunks=None, kernel=None):
     q, k, v = peaked_inputs(B, Hkv, G, N, D, seed=seed % 2**32, temp=temp)
     qd, kd, vd = to_device(q, dtype), to_device(k, dtype), to_device(v, dtype)
     q64, k64, v64 = to_host64(qd), to_host64(kd), to_host64(vd)
     lens_arr = None if lens is None else np.asarray(lens, dtype=np.int32)
     out, idx = santa_prop(qd, kd, vd, lens_arr, budget=S, sampler=sampler, tile_size=tile_size,
-                          seed=seed, offset=offset, return_indices=True, num_chunks=num_chunks)
+                          seed=seed, offset=offset, return_indices=True, num_chunks=num_chunks,
+                          kernel=kernel)
     got, J = to_host64(out), to_host(idx).astype(np.int64)
     scale = 1.0 / math.sqrt(D)
     x = logits(q64, k64, lengths(lens_arr, B, N), scale)
@@ -67,35 +69,42 @@ def _assert_indices_and_output(dtype, v64, lens_arr, got, J, J_ref, Hq):
     assert np.all(J[~nonempty] == 0)
 
 
+kernels = pytest.mark.parametrize("kernel", KERNELS)  # pass 1: CUDA cores, tensor cores
+
+
+@kernels
 @pytest.mark.parametrize("sampler", ["systematic", "stratified", "iid"])
 @pytest.mark.parametrize("S,tile_size", [(1, 64), (7, 32), (256, 64), (2048, 256), (300, 128)])
 @pytest.mark.parametrize("D", [64, 128])
-def test_prop_indices_match_reference(sampler, S, tile_size, D):
+def test_prop_indices_match_reference(sampler, S, tile_size, D, kernel):
     dtype = "float16"
     B, Hkv, G, N = 2, 2, 4, 1000 + D // 64  # N not a multiple of any tile
     q64, k64, v64, lens, got, J, J_ref = _run(dtype, B, Hkv, G, N, D, S, sampler, tile_size, None,
-                                              seed=1234 + S + D)
+                                              seed=1234 + S + D, kernel=kernel)
     _assert_indices_and_output(dtype, v64, lens, got, J, J_ref, Hkv * G)
 
 
+@kernels
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("G", [1, 3, 8])
 @pytest.mark.parametrize("num_chunks", [None, 1, 5])
-def test_prop_seq_lens_groups_dtypes(dtype, G, num_chunks):
+def test_prop_seq_lens_groups_dtypes(dtype, G, num_chunks, kernel):
     """Lengths 0 (zero row, indices 0), 1 (every index 0), N < tile, odd N."""
     lens = [0, 1, 37, 517]
     q64, k64, v64, lens_arr, got, J, J_ref = _run(dtype, 4, 2, G, 517, 128, 256, "systematic", 64,
-                                                  lens, seed=99 + G, num_chunks=num_chunks)
+                                                  lens, seed=99 + G, num_chunks=num_chunks,
+                                                  kernel=kernel)
     _assert_indices_and_output(dtype, v64, lens_arr, got, J, J_ref, 2 * G)
     assert np.all(J[1] == 0)
     np.testing.assert_allclose(got[1], np.broadcast_to(v64[1, np.arange(2 * G) // G, 0], got[1].shape),
                                rtol=_EPS[dtype], atol=1e-6)
 
 
-def test_prop_large_logits():
+@kernels
+def test_prop_large_logits(kernel):
     """|logits| ~ 1e4: max shift keeps the CDF finite; indices still match."""
     q64, k64, v64, lens, got, J, J_ref = _run("float16", 1, 2, 4, 400, 64, 128, "systematic", 64,
-                                              None, seed=5, temp=400.0)
+                                              None, seed=5, temp=400.0, kernel=kernel)
     assert np.isfinite(got).all()
     _assert_indices_and_output("float16", v64, lens, got, J, J_ref, 8)
 
@@ -108,6 +117,21 @@ def test_prop_deterministic_and_offset_changes_draws():
     c = santa_prop(qd, kd, vd, budget=64, seed=42, offset=2, return_indices=True)
     assert bool((a[0] == b[0]).all()) and bool((a[1] == b[1]).all()), "same seed must be bit-identical"
     assert not bool((a[1] == c[1]).all()), "a new offset must give new draws"
+
+
+@pytest.mark.parametrize("tiling", _sources.PROP_TC_TILINGS[1:], ids=lambda t: t.label())
+@pytest.mark.parametrize("tile_size", [32, 256])
+def test_prop_tc_tilings_match_reference(tiling, tile_size):
+    """The non-default tensor-core tilings (tuning) on odd lengths and forced chunks."""
+    prev = _sources.set_prop_tc_tiling(tiling)
+    try:
+        lens = [0, 1, 37, 1517]
+        q64, k64, v64, lens_arr, got, J, J_ref = _run("bfloat16", 4, 2, 4, 1517, 128, 300, "iid",
+                                                      tile_size, lens, seed=7, num_chunks=3,
+                                                      kernel="tc")
+    finally:
+        _sources.set_prop_tc_tiling(prev)
+    _assert_indices_and_output("bfloat16", v64, lens_arr, got, J, J_ref, 8)
 
 
 @pytest.mark.parametrize("sampler", ["systematic", "stratified", "iid"])
@@ -135,3 +159,7 @@ def test_prop_validation_messages():
         santa_prop(q, k, k, budget=4, sampler="gumbel")
     with pytest.raises(ValueError, match="`seed` must lie in"):
         santa_prop(q, k, k, budget=4, seed=-1)
+    with pytest.raises(ValueError, match="`kernel` must be one of 'simt', 'tc' or None, got 'x'"):
+        santa_prop(q, k, k, budget=4, kernel="x")
+    with pytest.raises(ValueError, match="needs scores='exact'"):
+        santa_prop(q, k, k, budget=4, kernel="tc", scores="bernoulli")

@@ -1,0 +1,139 @@
+// Tensor-core building blocks of the decode kernels (exact_decode_tc.cu, santa_prop.cu):
+// mma.sync m16n8k16 with the GQA group's query heads as the M dimension (rows 8..15 zero),
+// ldmatrix from XOR-swizzled tiles, per-warp cp.async tile loads. Inline PTX only.
+#pragma once
+#include "decode_common.cuh"
+
+namespace stochattn {
+namespace tc {
+
+// Two floats -> one 32-bit word of two T, `lo` at the lower address (the mma's element
+// order: lower column in the low half). cvt.rn.{f16x2,bf16x2}.f32 d, a, b puts a in the
+// upper half.
+template <typename T>
+struct Pack;
+
+template <>
+struct Pack<f16> {
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+};
+
+template <>
+struct Pack<bf16> {
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+};
+
+// D += A . B for one m16n8k16 tile with A rows 8..15 zero (a1 = a3 = 0) and the accumulator
+// rows 8..15 discarded: d0, d1 are row groupID, columns 2 tig, 2 tig + 1.
+template <typename T>
+__device__ __forceinline__ void mma_rows8(float& d0, float& d1, unsigned a0, unsigned a2,
+                                          unsigned b0, unsigned b1);
+
+template <>
+__device__ __forceinline__ void mma_rows8<f16>(float& d0, float& d1, unsigned a0, unsigned a2,
+                                               unsigned b0, unsigned b1) {
+  float u2, u3;  // rows 8..15: zero, unused
+  asm(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%10, %11, %12, %13};\n"
+      : "=f"(d0), "=f"(d1), "=f"(u2), "=f"(u3)
+      : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(d0), "f"(d1), "f"(0.f),
+        "f"(0.f));
+}
+
+template <>
+__device__ __forceinline__ void mma_rows8<bf16>(float& d0, float& d1, unsigned a0, unsigned a2,
+                                                unsigned b0, unsigned b1) {
+  float u2, u3;  // rows 8..15: zero, unused
+  asm(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%10, %11, %12, %13};\n"
+      : "=f"(d0), "=f"(d1), "=f"(u2), "=f"(u3)
+      : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(d0), "f"(d1), "f"(0.f),
+        "f"(0.f));
+}
+
+// Four 8x8 matrices of 16-bit elements from shared memory; lane 8 i + j gives the address
+// of row j of matrix i. Non-transposed: lane t gets row t / 4, elements 2 (t % 4) + {0, 1}
+// of matrix i in r[i]; transposed: elements (2 (t % 4) + {0, 1}, t / 4).
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// Byte offset of 16-byte piece c of row r in a swizzled tile of rows of D elements.
+template <int D>
+__device__ __forceinline__ int swz(int r, int c) {
+  return r * (D * 2) + ((c ^ (r & 7)) << 4);
+}
+
+// One warp's cp.async copies of a tile of ROWS rows of one matrix starting at row0 into the
+// swizzled tile `dst`; rows at or past `end` are zero-filled and read nothing (their logits
+// are masked to -inf; zeros keep 0 * V finite).
+template <int D, int ROWS>
+__device__ __forceinline__ void load_rows(unsigned char* dst, const unsigned char* base,
+                                          long long row0, long long end, int lane) {
+  constexpr int kPieces = D / 8;  // 16-byte pieces per row
+  constexpr int kPerLane = ROWS * kPieces / 32;
+  static_assert(kPerLane * 32 == ROWS * kPieces, "a tile must split evenly over the lanes");
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    const int p = lane + 32 * j;
+    const int r = p / kPieces, c = p % kPieces;
+    const bool valid = row0 + r < end;
+    const long long off = valid ? (row0 + r) * (D * 2) + c * 16 : 0;  // a legal address
+    cp_async16(dst + swz<D>(r, c), base + off, valid);
+  }
+}
+
+// Query A fragments of one GQA group for S^T = Q K^T: head grp (zero for grp >= G),
+// features 16 s + 2 tig + {0, 1} (qa[s][0]) and 16 s + 8 + 2 tig + {0, 1} (qa[s][1]).
+template <typename T, int D>
+__device__ __forceinline__ void load_query_frags(unsigned (&qa)[D / 16][2], const T* q,
+                                                 long long head0, int G, int grp, int tig) {
+  const unsigned* qrow = reinterpret_cast<const unsigned*>(q + (head0 + grp) * D);
+#pragma unroll
+  for (int s = 0; s < D / 16; ++s) {
+    qa[s][0] = grp < G ? qrow[8 * s + tig] : 0u;
+    qa[s][1] = grp < G ? qrow[8 * s + 4 + tig] : 0u;
+  }
+}
+
+// x[t][e] = q_grp . k_(8 t + 2 tig + e) for the ROWS keys of the swizzled K tile at shared
+// address sk (fp32 accumulate; head grp of the group, zero for grp >= G). ldmatrix lane
+// roles (non-transposed): matrix i = piece 4 p + i of rows 8 t + (lane & 7) gives b0, b1 of
+// k-steps 2 p and 2 p + 1 of key tile t.
+template <typename T, int D, int ROWS>
+__device__ __forceinline__ void tile_logits(float (&x)[ROWS / 8][2], unsigned sk,
+                                            const unsigned (&qa)[D / 16][2], int lane) {
+  const int k_row = lane & 7, k_piece = lane >> 3;
+#pragma unroll
+  for (int t = 0; t < ROWS / 8; ++t) {
+    x[t][0] = x[t][1] = 0.f;
+#pragma unroll
+    for (int p = 0; p < D / 32; ++p) {
+      unsigned r[4];
+      ldmatrix_x4(r, sk + swz<D>(8 * t + k_row, 4 * p + k_piece));
+      mma_rows8<T>(x[t][0], x[t][1], qa[2 * p][0], qa[2 * p][1], r[0], r[1]);
+      mma_rows8<T>(x[t][0], x[t][1], qa[2 * p + 1][0], qa[2 * p + 1][1], r[2], r[3]);
+    }
+  }
+}
+
+}  // namespace tc
+}  // namespace stochattn
