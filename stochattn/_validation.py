@@ -136,7 +136,9 @@ def check_seq_lens(seq_lens, batch: int, tokens: int) -> None:
 
 
 def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    # type(...) is int first: the ABC check costs ~1 us per call on the decode hot path.
+    return type(value) is int or (isinstance(value, numbers.Integral)
+                                  and not isinstance(value, bool))
 
 
 def check_positive_int(name: str, value) -> int:

@@ -11,9 +11,12 @@ from __future__ import annotations
 import math
 import threading
 
+import numpy as np
+
 from . import _sources
 
-__all__ = ["get_kernel", "Launcher", "ctas_per_sm", "num_sms", "choose_chunks", "split_tokens"]
+__all__ = ["get_kernel", "Launcher", "Packed", "ctas_per_sm", "num_sms", "choose_chunks",
+           "split_tokens"]
 
 _lock = threading.Lock()
 _modules: dict = {}  # (family, device id, options, dtypes) -> cupy.RawModule
@@ -84,6 +87,86 @@ class Launcher:
         else:
             with stream:
                 self.raw(grid, block, args, shared_mem=self.smem)
+
+
+class Packed:
+    """One launch configuration of a kernel with its argument buffer packed once.
+
+    ``args`` are the kernel's arguments as NumPy scalars of the exact C types; the
+    arguments at positions ``variable`` change per call (pointers, seeds: integer types
+    only) and are passed to :meth:`__call__` in that order. Every argument lives in an
+    8-byte slot of one uint64 buffer (the driver copies each argument's size from the
+    start of its slot: the value in the low bytes, little-endian), and the launch goes
+    straight to ``cuLaunchKernel`` through ``cupy.cuda.driver.launchKernel`` with a
+    prebuilt array of slot addresses: no per-argument conversion, about half the host cost
+    of CuPy's ``Function`` call (``bench/host_overhead.py``). Where that entry point is
+    missing, the same values go through :class:`Launcher`. A lock guards the buffer from
+    the write to the launch (the driver has copied the arguments when the call returns),
+    so concurrent calls from several threads are safe."""
+
+    __slots__ = ("launcher", "grid", "block", "variable", "args", "vals", "_ptrs", "params",
+                 "fptr", "_lock")
+
+    def __init__(self, launcher: Launcher, grid, block, args, variable=()):
+        self.launcher = launcher
+        self.grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+        self.block = tuple(int(b) for b in block) + (1,) * (3 - len(block))
+        self.variable = tuple(variable)
+        self.args = list(args)  # typed values, for the fallback call
+        self.vals = np.zeros(max(1, len(args)), dtype=np.uint64)
+        for i, a in enumerate(args):
+            if not isinstance(a, np.generic) or a.nbytes not in (4, 8):
+                raise TypeError(f"kernel argument {i} must be a 4- or 8-byte NumPy scalar, got "
+                                f"{type(a).__name__}")
+            if i in self.variable and a.dtype.kind not in "iu":
+                raise TypeError(f"variable kernel argument {i} must be an integer, got {a.dtype}")
+            self.vals[i] = int(np.asarray(a).view(np.uint32 if a.nbytes == 4 else np.uint64))
+        base = self.vals.ctypes.data
+        self._ptrs = np.array([base + 8 * i for i in range(len(self.vals))], dtype=np.uint64)
+        self.params = int(self._ptrs.ctypes.data)
+        fn = launcher.fn
+        self.fptr = int(fn.ptr) if fn is not None and _launch_kernel() is not None else None
+        self._lock = threading.Lock()
+
+    def __call__(self, stream, *values):
+        """Launch with ``values`` at the variable positions; ``stream``: a CuPy stream
+        object, or None for CuPy's current stream."""
+        fptr = self.fptr
+        if fptr is None:
+            args = self.args
+            for i, x in zip(self.variable, values):
+                args[i] = x
+            self.launcher(self.grid, self.block, tuple(args), stream)
+            return
+        sptr = stream.ptr if stream is not None else _current_stream_ptr()
+        g, b = self.grid, self.block
+        with self._lock:
+            vals = self.vals
+            for i, x in zip(self.variable, values):
+                vals[i] = x
+            _launch[0](fptr, g[0], g[1], g[2], b[0], b[1], b[2], self.launcher.smem, sptr,
+                       self.params, 0)
+
+
+_launch = [None, False]  # [cupy.cuda.driver.launchKernel or None, looked up]
+
+
+def _launch_kernel():
+    if not _launch[1]:
+        try:
+            from cupy.cuda import driver
+
+            _launch[0] = getattr(driver, "launchKernel", None)
+        except Exception:  # noqa: BLE001 - no driver API: the fallback call
+            _launch[0] = None
+        _launch[1] = True
+    return _launch[0]
+
+
+def _current_stream_ptr() -> int:
+    import cupy
+
+    return cupy.cuda.get_current_stream().ptr
 
 
 def launcher(family: str, name: str, smem: int = 0, config=None) -> Launcher:

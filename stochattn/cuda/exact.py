@@ -116,22 +116,27 @@ class _ExactPlan:
             align, self.threads = tiling.align(), tiling.threads
             smem = tiling.smem_bytes(s.head_dim)
         with _inputs.device_scope(self.device):
-            self.chunk = _module.launcher(family, name, smem, config)
+            chunk = _module.launcher(family, name, smem, config)
             chunks, chunk_len = _module.split_tokens(family, name, smem, config,
                                                      s.batch * s.kv_heads, s.tokens, align, num_chunks,
                                                      threads=self.threads)
-            self.merge = _module.launcher(family, f"exact_decode_merge<{ctype}>", 0, config) \
+            merge = _module.launcher(family, f"exact_decode_merge<{ctype}>", 0, config) \
                 if chunks > 1 else None
         self.chunks, self.chunk_len = chunks, chunk_len
-        self.grid = (chunks, s.kv_heads, s.batch)
         self.out_shape = (s.batch, s.q_heads, s.head_dim)
-        self.tail = (np.int32(s.kv_heads), np.int32(s.group), np.int64(s.tokens), np.int64(chunk_len),
-                     np.int32(chunks), np.float32(scale * math.log2(math.e)))
+        tail = (np.int32(s.kv_heads), np.int32(s.group), np.int64(s.tokens), np.int64(chunk_len),
+                np.int32(chunks), np.float32(scale * math.log2(math.e)))
+        # Packed launches: q, k, v, seq_lens, out, partial outputs, (m, l) pairs change per
+        # call (a single chunk writes `out` and no partials: their pointers stay null).
+        null = _inputs.NULL
+        self.chunk = _module.Packed(chunk, (chunks, s.kv_heads, s.batch), (self.threads,),
+                                    (null,) * 7 + tail, variable=range(7))
         # One scratch buffer when split: partial outputs (fp32, B Hq C D), then (m, l) pairs.
         self.ml_offset = _align(4 * s.batch * s.q_heads * chunks * s.head_dim)
         self.scratch_bytes = self.ml_offset + 8 * s.batch * s.q_heads * chunks
-        self.merge_grid = (s.batch * s.q_heads,)
-        self.merge_tail = (np.int32(chunks), np.int32(s.head_dim))
+        self.merge = None if merge is None else _module.Packed(
+            merge, (s.batch * s.q_heads,), (s.head_dim,),
+            (null, null, null, np.int32(chunks), np.int32(s.head_dim)), variable=range(3))
 
     def run(self, inp, seq_lens, check_seq_lens):
         ops = inp.ops
@@ -140,16 +145,15 @@ class _ExactPlan:
             qp, kp, vp, lens, _keep, stream = _inputs.launch_args(inp, seq_lens, check_seq_lens, s,
                                                                   self.device)
             out = ops.empty(inp.q, self.out_shape)
-            outp = np.uint64(ops.ptr(out))
+            outp = ops.ptr(out)
             if self.merge is None:
-                null = _inputs.NULL  # single chunk: the kernel writes `out` and no partials
-                self.chunk(self.grid, (self.threads,), (qp, kp, vp, lens, outp, null, null) + self.tail, stream)
+                self.chunk(stream, qp, kp, vp, lens, outp, 0, 0)
             else:
                 scratch = ops.empty(inp.q, (self.scratch_bytes,), "uint8")
                 po = ops.ptr(scratch)
-                po, pml = np.uint64(po), np.uint64(po + self.ml_offset)
-                self.chunk(self.grid, (self.threads,), (qp, kp, vp, lens, outp, po, pml) + self.tail, stream)
-                self.merge(self.merge_grid, (s.head_dim,), (po, pml, outp) + self.merge_tail, stream)
+                pml = po + self.ml_offset
+                self.chunk(stream, qp, kp, vp, lens, outp, po, pml)
+                self.merge(stream, po, pml, outp)
         return out
 
 

@@ -118,21 +118,20 @@ def santa_prop(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_siz
     (1, 32, 128)
     """
     seed, offset = val.check_seed_offset(seed, offset)
-    want_frac = val.check_bool("return_feature_fraction", return_feature_fraction)
     inp = _inputs.gather(q, k, v)
     kfm_meta = None
     if k_feature_major is not None:
         k_feature_major = _feature_major_input(inp, k_feature_major)
         kfm_meta = inp.ops.meta(k_feature_major)
-    score = _ScoreStage.of(scores, bernoulli_draws, bernoulli_group_shared, kfm_meta, want_frac)
-    tiling = _pass1_tiling(kernel, score)
     config = _sources.get_config()  # pass 1 tiling of the CUDA-core kernels
-    key = ("santa_prop", inp.key, type(budget), budget, sampler, type(tile_size), tile_size,
-           type(softmax_scale), softmax_scale, type(num_chunks), num_chunks, bool(return_indices),
-           score, config, tiling)
-    plan = _inputs.cached_plan(
-        key, lambda: _PropPlan(inp, budget, sampler, tile_size, softmax_scale, num_chunks, config,
-                               score, tiling))
+    tc_tiling = _sources.get_prop_tc_tiling()
+    # Every option is in the key with its type (True and 1 are different keys); a miss
+    # validates them all in the plan's constructor, so a hit needs no checks.
+    opts = (budget, sampler, tile_size, softmax_scale, num_chunks, return_indices, scores,
+            bernoulli_draws, bernoulli_group_shared, return_feature_fraction, kernel)
+    key = ("santa_prop", inp.key, kfm_meta, config, tc_tiling,
+           tuple(type(o) for o in opts), opts)
+    plan = _inputs.cached_plan(key, lambda: _PropPlan.build(inp, kfm_meta, config, tc_tiling, *opts))
     return plan.run(inp, seq_lens, check_seq_lens, seed, offset, bool(return_indices),
                     k_feature_major)
 
@@ -158,7 +157,7 @@ class _ScoreStage(NamedTuple):
         return _ScoreStage(bern, draws if bern else 0, group_shared and bern, kfm_meta, want_frac)
 
 
-def _pass1_tiling(kernel, score):
+def _pass1_tiling(kernel, score, tc_tiling):
     """The tensor-core tiling of pass 1, or None for the CUDA-core kernels."""
     if kernel is not None and kernel not in KERNELS:
         raise ValueError(f"`kernel` must be one of {', '.join(map(repr, KERNELS))} or None, "
@@ -168,7 +167,7 @@ def _pass1_tiling(kernel, score):
             raise ValueError("`kernel='tc'` needs scores='exact' (the Bernoulli score stage runs "
                              "on the CUDA cores)")
         return None
-    return None if kernel == "simt" else _sources.get_prop_tc_tiling()
+    return None if kernel == "simt" else tc_tiling
 
 
 def check_draws(name, draws) -> int:
@@ -189,6 +188,16 @@ def _feature_major_input(inp, kfm):
 
 class _PropPlan:
     """Everything one configuration of :func:`santa_prop` needs, resolved once."""
+
+    @classmethod
+    def build(cls, inp, kfm_meta, config, tc_tiling, budget, sampler, tile_size, softmax_scale,
+              num_chunks, return_indices, scores, draws, group_shared, want_frac, kernel):
+        """Validate the options of one configuration and build its plan."""
+        want_frac = val.check_bool("return_feature_fraction", want_frac)
+        score = _ScoreStage.of(scores, draws, group_shared, kfm_meta, want_frac)
+        tiling = _pass1_tiling(kernel, score, tc_tiling)
+        return cls(inp, budget, sampler, tile_size, softmax_scale, num_chunks, config, score,
+                   tiling)
 
     def __init__(self, inp, budget, sampler, tile_size, softmax_scale, num_chunks, config, score,
                  tiling=None):
@@ -224,7 +233,7 @@ class _PropPlan:
                 name1 = f"santa_prop_logits_tc<{ctype}, {s.head_dim}, {tiling.template_args()}>"
                 smem1, align = tiling.smem_bytes(s.head_dim), max(tiling.align(), ts)
                 self.threads1 = tiling.threads
-            self.logits = _module.launcher("santa_prop", name1, smem1, config)
+            logits = _module.launcher("santa_prop", name1, smem1, config)
             chunks, chunk_len = _module.split_tokens("santa_prop", name1, smem1, config,
                                                      s.batch * s.kv_heads, s.tokens, align,
                                                      num_chunks, threads=self.threads1)
@@ -237,10 +246,10 @@ class _PropPlan:
                     "santa_prop", name_fm, 0, config, s.batch * s.kv_heads, s.tokens,
                     _FM_TOKENS_PER_PASS, None)
                 self.grid_fm = (fm_chunks, s.kv_heads, s.batch)
-            self.tiles = _module.launcher("santa_prop", "santa_prop_tiles", 0, config) \
+            tiles = _module.launcher("santa_prop", "santa_prop_tiles", 0, config) \
                 if tiling is None else None
-            self.sample = _module.launcher("santa_prop", f"santa_prop_sample<{ctype}, {s.head_dim}>",
-                                           0, config)
+            sample = _module.launcher("santa_prop", f"santa_prop_sample<{ctype}, {s.head_dim}>", 0,
+                                      config)
         self.chunks, self.chunk_len = chunks, chunk_len
         self.grid1 = (chunks, s.kv_heads, s.batch)
         self.grid_tiles = (rows, math.ceil(n_pad / _TILE_LOGITS_PER_CTA))
@@ -270,6 +279,21 @@ class _PropPlan:
                            np.int64(n_tiles), np.int32(ts))
         self.mid2 = (np.int32(s.q_heads), np.int32(s.group), np.int64(s.tokens), np.int64(n_pad),
                      np.int64(n_tiles), np.int32(ts), np.int32(S), np.int32(_SAMPLER_CODE[sampler]))
+        # Packed launches of the exact-scores path (the Bernoulli stage's simt logits launch
+        # has the same layout with q_hat for q); the leading pointers, the seed and the
+        # offset change per call.
+        null, p = _inputs.NULL, _module.Packed
+        if tiling is not None:
+            self.logits = p(logits, self.grid1, (self.threads1,), (null,) * 6 + self.tail_tc,
+                            range(6))
+        else:
+            self.logits = p(logits, self.grid1, (self.threads1,), (null,) * 4 + self.tail1,
+                            range(4))
+        self.tiles = None if tiles is None else p(
+            tiles, self.grid_tiles, (_TILE_THREADS,), (null,) * 4 + self.tail_tiles, range(4))
+        self.sample = p(sample, self.grid2, (_SAMPLE_THREADS,),
+                        (null,) * 10 + self.mid2 + (np.uint64(0), np.uint32(0)) + _VALUE_STAGE_OUT,
+                        tuple(range(10)) + (18, 19))
 
     def run(self, inp, seq_lens, check_seq_lens, seed, offset, return_indices, kfm):
         ops = inp.ops
@@ -281,39 +305,37 @@ class _PropPlan:
             scratch = ops.empty(inp.q, (self.scratch_bytes,), "uint8")
             base = ops.ptr(scratch)
             logits, tile_m, tile_l, C, iid, idx32, qhat, feat, nfeat, frac_slot = (
-                np.uint64(base + o) for o in self.offsets)
+                base + o for o in self.offsets)
             out = ops.empty(inp.q, self.out_shape)
-            outp = np.uint64(ops.ptr(out))
+            outp = ops.ptr(out)
             indices = ops.empty(inp.q, self.idx_shape, "int64") if return_indices else None
-            idxp = _inputs.NULL if indices is None else np.uint64(ops.ptr(indices))  # null: none
+            idxp = 0 if indices is None else ops.ptr(indices)  # null: no indices
             frac = ops.empty(inp.q, self.frac_shape, "float32") if score.want_frac else None
             if self.tiles is None:  # tensor cores: logits and tile statistics
-                self.logits(self.grid1, (self.threads1,),
-                            (qp, kp, lens, logits, tile_m, tile_l) + self.tail_tc, stream)
+                self.logits(stream, qp, kp, lens, logits, tile_m, tile_l)
             elif not score.bernoulli:
-                self.logits(self.grid1, (self.threads1,), (qp, kp, lens, logits) + self.tail1, stream)
+                self.logits(stream, qp, kp, lens, logits)
             else:
-                rng = (np.uint64(seed), np.uint32(offset))
-                fracp = np.uint64(ops.ptr(frac)) if frac is not None else frac_slot
+                u64 = np.uint64
+                rng = (u64(seed), np.uint32(offset))
+                fracp = ops.ptr(frac) if frac is not None else frac_slot
                 self.qhat((s.kv_heads, s.batch), (_QHAT_THREADS,),
-                          (qp, qhat, feat, nfeat, fracp, np.int32(s.kv_heads), np.int32(s.group),
-                           np.int32(s.head_dim), np.int32(score.draws),
+                          (qp, u64(qhat), u64(feat), u64(nfeat), u64(fracp), np.int32(s.kv_heads),
+                           np.int32(s.group), np.int32(s.head_dim), np.int32(score.draws),
                            np.int32(score.group_shared), np.float32(self.scale)) + rng, stream)
                 if kfm is None:
-                    self.logits(self.grid1, (self.threads1,), (qhat, kp, lens, logits) + self.tail1,
-                                stream)
+                    self.logits(stream, qhat, kp, lens, logits)
                 else:
                     self.logits_fm(self.grid_fm, (_FM_THREADS,),
-                                   (qhat, np.uint64(ops.ptr(kfm)), feat, nfeat, lens, logits,
-                                    np.int32(s.kv_heads), np.int32(s.group), np.int32(s.head_dim),
-                                    np.int64(s.tokens), np.int64(score.kfm_meta[1][-1]),
-                                    np.int64(self.fm_chunk_len), self.tail1[4]), stream)
+                                   (u64(qhat), u64(ops.ptr(kfm)), u64(feat), u64(nfeat), lens,
+                                    u64(logits), np.int32(s.kv_heads), np.int32(s.group),
+                                    np.int32(s.head_dim), np.int64(s.tokens),
+                                    np.int64(score.kfm_meta[1][-1]), np.int64(self.fm_chunk_len),
+                                    self.tail1[4]), stream)
             if self.tiles is not None:
-                self.tiles(self.grid_tiles, (_TILE_THREADS,),
-                           (logits, lens, tile_m, tile_l) + self.tail_tiles, stream)
-            self.sample(self.grid2, (_SAMPLE_THREADS,),
-                        (vp, lens, logits, tile_m, tile_l, C, iid, idx32, idxp, outp) + self.mid2
-                        + (np.uint64(seed), np.uint32(offset)) + _VALUE_STAGE_OUT, stream)
+                self.tiles(stream, logits, lens, tile_m, tile_l)
+            self.sample(stream, vp, lens, logits, tile_m, tile_l, C, iid, idx32, idxp, outp, seed,
+                        offset)
         res = (out,) + ((indices,) if return_indices else ()) + ((frac,) if frac is not None else ())
         return res if len(res) > 1 else out
 
