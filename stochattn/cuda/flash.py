@@ -159,13 +159,12 @@ class _FlashPlan:
         smem = config.smem_bytes(_FAMILY, s.head_dim, gm, ts)
         with _inputs.device_scope(self.device):
             name = f"santa_flash_chunk<{ctype}, {s.head_dim}, {gm}>"
-            self.chunk = _module.launcher(_FAMILY, name, smem, config)
+            chunk = _module.launcher(_FAMILY, name, smem, config)
             chunks, chunk_len = _module.split_tokens(_FAMILY, name, smem, config,
                                                      s.batch * s.kv_heads, s.tokens, align, num_chunks)
-            self.merge = _module.launcher(_FAMILY, f"exact_decode_merge<{ctype}>", 0, config) \
+            merge = _module.launcher(_FAMILY, f"exact_decode_merge<{ctype}>", 0, config) \
                 if chunks > 1 else None
         self.chunks, self.chunk_len = chunks, chunk_len
-        self.grid = (chunks, s.kv_heads, s.batch)
         self.out_shape = (s.batch, s.q_heads, s.head_dim)
         self.idx_stride = S + n_tiles - 1  # >= T_L * ceil(S / T_L) for every T_L <= n_tiles
         self.idx_shape = (s.batch, s.q_heads, self.idx_stride)
@@ -173,42 +172,44 @@ class _FlashPlan:
         # Split launches: one scratch buffer, partial outputs (fp32, B Hq C D), then (m, l).
         self.ml_offset = _align(4 * s.batch * s.q_heads * chunks * s.head_dim)
         self.scratch_bytes = self.ml_offset + 8 * s.batch * s.q_heads * chunks
-        self.tail = (np.int32(s.kv_heads), np.int32(s.group), np.int64(s.tokens), np.int64(chunk_len),
-                     np.int32(chunks), np.int32(ts), np.int64(n_tiles), np.int64(self.idx_stride),
-                     np.int32(S), np.int32(_SAMPLER_CODE[sampler]), np.float32(scale))
-        self.merge_grid = (s.batch * s.q_heads,)
-        self.merge_tail = (np.int32(chunks), np.int32(s.head_dim))
+        tail = (np.int32(s.kv_heads), np.int32(s.group), np.int64(s.tokens), np.int64(chunk_len),
+                np.int32(chunks), np.int32(ts), np.int64(n_tiles), np.int64(self.idx_stride),
+                np.int32(S), np.int32(_SAMPLER_CODE[sampler]), np.float32(scale))
+        # Packed launches: the 11 leading pointers (q, k, v, seq_lens, out, partials, (m, l),
+        # indices, tile statistics) and the seed and offset change per call.
+        null = _inputs.NULL
+        self.chunk = _module.Packed(chunk, (chunks, s.kv_heads, s.batch), (self.threads,),
+                                    (null,) * 11 + tail + (np.uint64(0), np.uint32(0)),
+                                    tuple(range(11)) + (22, 23))
+        self.merge = None if merge is None else _module.Packed(
+            merge, (s.batch * s.q_heads,), (s.head_dim,),
+            (null, null, null, np.int32(chunks), np.int32(s.head_dim)), range(3))
 
     def run(self, inp, seq_lens, check_seq_lens, seed, offset, want_idx, want_stats):
         ops = inp.ops
         s = self.shape
-        null = _inputs.NULL
         with _inputs.device_scope(self.device):
             qp, kp, vp, lens, _keep, stream = _inputs.launch_args(inp, seq_lens, check_seq_lens, s,
                                                                   self.device)
             out = ops.empty(inp.q, self.out_shape)
-            outp = np.uint64(ops.ptr(out))
+            outp = ops.ptr(out)
             indices = ops.empty(inp.q, self.idx_shape, "int64") if want_idx else None
-            idxp = np.uint64(ops.ptr(indices)) if want_idx else null
+            idxp = ops.ptr(indices) if want_idx else 0
             if want_stats:
                 tile_m = ops.empty(inp.q, self.tile_shape, "float32")
                 tile_l = ops.empty(inp.q, self.tile_shape, "float32")
                 samples = ops.empty(inp.q, (s.batch,), "int32")
-                statp = (np.uint64(ops.ptr(tile_m)), np.uint64(ops.ptr(tile_l)),
-                         np.uint64(ops.ptr(samples)))
+                statp = (ops.ptr(tile_m), ops.ptr(tile_l), ops.ptr(samples))
             else:
-                statp = (null, null, null)
-            rng = (np.uint64(seed), np.uint32(offset))
+                statp = (0, 0, 0)
             if self.merge is None:  # single chunk: the kernel writes `out`, no partials
-                self.chunk(self.grid, (self.threads,),
-                           (qp, kp, vp, lens, outp, null, null, idxp) + statp + self.tail + rng, stream)
+                self.chunk(stream, qp, kp, vp, lens, outp, 0, 0, idxp, *statp, seed, offset)
             else:
                 scratch = ops.empty(inp.q, (self.scratch_bytes,), "uint8")
                 po = ops.ptr(scratch)
-                po, pml = np.uint64(po), np.uint64(po + self.ml_offset)
-                self.chunk(self.grid, (self.threads,),
-                           (qp, kp, vp, lens, outp, po, pml, idxp) + statp + self.tail + rng, stream)
-                self.merge(self.merge_grid, (s.head_dim,), (po, pml, outp) + self.merge_tail, stream)
+                pml = po + self.ml_offset
+                self.chunk(stream, qp, kp, vp, lens, outp, po, pml, idxp, *statp, seed, offset)
+                self.merge(stream, po, pml, outp)
         if not (want_idx or want_stats):
             return out
         res = (out,)
