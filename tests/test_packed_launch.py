@@ -56,5 +56,36 @@ def test_rejects_untyped_and_non_integer_variable_arguments():
         Packed(_FakeLauncher(), (1,), (1,), (np.uint64(0), 3))
     with pytest.raises(TypeError, match="argument 0 must be a 4- or 8-byte NumPy scalar"):
         Packed(_FakeLauncher(), (1,), (1,), (np.int16(1),))
-    with pytest.raises(TypeError, match="variable kernel argument 1 must be an integer"):
-        Packed(_FakeLauncher(), (1,), (1,), (np.uint64(0), np.float32(1)), variable=(1,))
+
+
+def test_float_variable_arguments_are_written_as_their_type():
+    fake = _FakeLauncher()
+    p = Packed(fake, (1,), (1,), (np.uint64(0), np.float64(0.0), np.float32(0.0)),
+               variable=(1, 2))
+    p(None, 0.95, 0.7)
+    got = fake.calls[0][2]
+    assert got[1] == np.float64(0.95) and got[1].dtype == np.float64
+    assert got[2] == np.float32(0.7) and got[2].dtype == np.float32
+
+
+def test_driver_path_writes_the_slots_and_launches_once(monkeypatch):
+    """The cuLaunchKernel path with a stand-in driver entry: the variable slots hold the new
+    values (floats as their bits), the rest keep theirs."""
+    from stochattn.cuda import _module
+
+    seen = []
+
+    def fake_launch(fptr, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        seen.append((fptr, (gx, gy, gz), (bx, by, bz), smem, stream, params, extra))
+
+    class _Stream:
+        ptr = 1234
+
+    monkeypatch.setattr(_module, "_launch", [fake_launch, True])
+    p = Packed(_FakeLauncher(), (4, 2), (256,),
+               (np.uint64(0), np.int32(5), np.float64(0.0), np.uint32(0)), variable=(0, 2, 3))
+    p.fptr = 99
+    p(_Stream(), 2**40 + 3, 0.25, np.uint32(9))
+    assert seen == [(99, (4, 2, 1), (256, 1, 1), 0, 1234, p.params, 0)]
+    assert p.vals[0] == 2**40 + 3 and p.vals[1] == 5 and p.vals[3] == 9
+    assert np.array([p.vals[2]], dtype=np.uint64).view(np.float64)[0] == 0.25

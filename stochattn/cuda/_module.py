@@ -93,8 +93,9 @@ class Packed:
     """One launch configuration of a kernel with its argument buffer packed once.
 
     ``args`` are the kernel's arguments as NumPy scalars of the exact C types; the
-    arguments at positions ``variable`` change per call (pointers, seeds: integer types
-    only) and are passed to :meth:`__call__` in that order. Every argument lives in an
+    arguments at positions ``variable`` change per call (pointers, seeds, thresholds) and are
+    passed to :meth:`__call__` in that order (integers as they are, floating-point values
+    converted to the argument's type). Every argument lives in an
     8-byte slot of one uint64 buffer (the driver copies each argument's size from the
     start of its slot: the value in the low bytes, little-endian), and the launch goes
     straight to ``cuLaunchKernel`` through ``cupy.cuda.driver.launchKernel`` with a
@@ -105,7 +106,7 @@ class Packed:
     so concurrent calls from several threads are safe."""
 
     __slots__ = ("launcher", "grid", "block", "variable", "args", "vals", "_ptrs", "params",
-                 "fptr", "_lock")
+                 "fptr", "_lock", "_float")
 
     def __init__(self, launcher: Launcher, grid, block, args, variable=()):
         self.launcher = launcher
@@ -118,9 +119,10 @@ class Packed:
             if not isinstance(a, np.generic) or a.nbytes not in (4, 8):
                 raise TypeError(f"kernel argument {i} must be a 4- or 8-byte NumPy scalar, got "
                                 f"{type(a).__name__}")
-            if i in self.variable and a.dtype.kind not in "iu":
-                raise TypeError(f"variable kernel argument {i} must be an integer, got {a.dtype}")
-            self.vals[i] = int(np.asarray(a).view(np.uint32 if a.nbytes == 4 else np.uint64))
+            self.vals[i] = _bits(a)
+        # Floating-point variable arguments are written as their bits (the type's dtype).
+        self._float = tuple(args[i].dtype if args[i].dtype.kind == "f" else None
+                            for i in self.variable)
         base = self.vals.ctypes.data
         self._ptrs = np.array([base + 8 * i for i in range(len(self.vals))], dtype=np.uint64)
         self.params = int(self._ptrs.ctypes.data)
@@ -134,18 +136,23 @@ class Packed:
         fptr = self.fptr
         if fptr is None:
             args = self.args
-            for i, x in zip(self.variable, values):
-                args[i] = x
+            for i, x, f in zip(self.variable, values, self._float):
+                args[i] = x if f is None else f.type(x)
             self.launcher(self.grid, self.block, tuple(args), stream)
             return
         sptr = stream.ptr if stream is not None else _current_stream_ptr()
         g, b = self.grid, self.block
         with self._lock:
             vals = self.vals
-            for i, x in zip(self.variable, values):
-                vals[i] = x
+            for i, x, f in zip(self.variable, values, self._float):
+                vals[i] = x if f is None else _bits(f.type(x))
             _launch[0](fptr, g[0], g[1], g[2], b[0], b[1], b[2], self.launcher.smem, sptr,
                        self.params, 0)
+
+
+def _bits(a) -> int:
+    """The bits of a 4- or 8-byte NumPy scalar as an unsigned integer."""
+    return int(np.asarray(a).view(np.uint32 if a.nbytes == 4 else np.uint64))
 
 
 _launch = [None, False]  # [cupy.cuda.driver.launchKernel or None, looked up]

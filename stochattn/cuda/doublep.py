@@ -215,27 +215,26 @@ class _DoublePPlan:
         cap = min(s.tokens, NL)
         pairs = s.batch * s.kv_heads
         with _inputs.device_scope(self.device):
-            self.logits = _module.launcher(fam, f"doublep_cluster_logits<{ctype}, {D}, {gm}>", 0,
-                                           config)
+            logits = _module.launcher(fam, f"doublep_cluster_logits<{ctype}, {D}, {gm}>", 0,
+                                      config)
             self.sorted = C <= min(SORT_SELECT_MAX_CLUSTERS, _SORT_MAX_CLUSTERS)
             if self.sorted:
                 self.sort_p = max(2 * _SORT_THREADS, 1 << (C - 1).bit_length())
-                self.select = _module.launcher(fam, "doublep_select_sorted", 8 * self.sort_p,
-                                               config)
+                select = _module.launcher(fam, "doublep_select_sorted", 8 * self.sort_p, config)
                 self.select_threads = _SORT_THREADS
             else:
-                self.select = _module.launcher(fam, "doublep_select", 0, config)
+                select = _module.launcher(fam, "doublep_select", 0, config)
                 self.select_threads = _SELECT_THREADS
             flag = "false" if sample is None else "true"
-            self.rows = _module.launcher(fam, f"doublep_rows<{gm}, {flag}>", 0, config)
+            rows_k = _module.launcher(fam, f"doublep_rows<{gm}, {flag}>", 0, config)
             name = f"doublep_attend<{ctype}, {D}, {gm}, {flag}>"
             smem = stage + _align(_LIST_CAP * (5 if sample is None else 6), 16)
-            self.attend = _module.launcher(fam, name, smem, config)
+            attend = _module.launcher(fam, name, smem, config)
             cl_chunks = math.ceil(C / _CLUSTERS_PER_ATTEND_CTA) if centroid and not sample else 0
             if sample is not None:
-                self.tiles = _module.launcher("santa_prop", "santa_prop_tiles", 0, config)
-                self.sample = _module.launcher("santa_prop", f"santa_prop_sample<{ctype}, {D}>",
-                                               0, config)
+                tiles = _module.launcher("santa_prop", "santa_prop_tiles", 0, config)
+                sample_k = _module.launcher("santa_prop", f"santa_prop_sample<{ctype}, {D}>", 0,
+                                            config)
             if num_chunks is None:
                 # Two waves' worth of token CTAs (a token CTA takes an equal share of its
                 # row list, so its work does not depend on where the exact tokens lie; the
@@ -251,8 +250,8 @@ class _DoublePPlan:
             self.list_off = stage
             # Partials: the token CTAs', the cluster CTAs' (centroid) or the draws' (sample).
             total = tok_chunks + cl_chunks + (sample is not None)
-            self.merge = (_module.launcher(fam, f"exact_decode_merge<{ctype}>", 0, config)
-                          if total > 1 else None)
+            merge = (_module.launcher(fam, f"exact_decode_merge<{ctype}>", 0, config)
+                     if total > 1 else None)
             self.true_mass = _module.launcher(fam, f"doublep_true_mass<{ctype}, {D}, {gm}>", 0,
                                               config)
         self.tok_chunks, self.total = tok_chunks, total
@@ -306,7 +305,32 @@ class _DoublePPlan:
                             np.int32(_CLUSTERS_PER_ATTEND_CTA), np.int32(total),
                             np.int32(self.list_off), scale_log2)
         self.NL = NL
-        self.merge_tail = (np.int32(total), np.int32(D))
+        # Packed launches (_module.Packed): the pointers and the per-call options (n_sink,
+        # p1, p2, the count, the seed and offset) are the variable arguments.
+        z, zi, zf, P = _inputs.NULL, np.int32(0), np.float64(0.0), _module.Packed
+        self.logits = P(logits, self.grid_logits, (_LOGIT_THREADS,), (z,) * 4 + self.tail_logits,
+                        range(4))
+        select_args = (z,) * 7 + self.select_mid + (zi, zf, zf, zi, zi)
+        if self.sorted:
+            select_args += (np.int32(self.sort_p),)
+        self.select = P(select, self.grid_select, (self.select_threads,), select_args,
+                        tuple(range(7)) + (11, 12, 13, 14, 15))
+        n_pad = np.int64(self.n_pad if sample is not None else 0)
+        self.rows = P(rows_k, self.grid_rows, (_ROW_THREADS,),
+                      (z,) * 8 + self.rows_tail + (zi, np.int32(self.slices), z, z, n_pad, z),
+                      tuple(range(8)) + (13, 15, 16, 18))
+        self.attend = P(attend, self.grid_attend, (self.threads,),
+                        (z,) * 13 + self.attend_tail + (z, z, n_pad), tuple(range(13)) + (23, 24))
+        if sample is not None:
+            self.tiles = P(tiles, self.grid_tiles, (_TILE_THREADS,), (z,) * 4 + self.tiles_tail,
+                           range(4))
+            self.sample = P(sample_k, (rows,), (_SAMPLE_THREADS,),
+                            (z,) * 10 + self.sample_mid
+                            + (np.uint64(0), np.uint32(0), np.uint32(PURPOSE_CLUSTER_SAMPLER), z, z,
+                               np.int32(total), np.int32(total - 1)),
+                            tuple(range(10)) + (18, 19, 21, 22))
+        self.merge = None if merge is None else P(
+            merge, self.merge_grid, (D,), (z, z, z, np.int32(total), np.int32(D)), range(3))
 
     def run(self, inp, ix, n_sink, p1, p2, count, diagnostics, rng, return_indices):
         ops = inp.ops
@@ -316,52 +340,39 @@ class _DoublePPlan:
             qp, kp, vp, _null, _keep, stream = _inputs.launch_args(inp, None, False, s, self.device)
             (cent, sizes, vsums, labels, lens, ws), held = ix.pointers()
             out = ops.empty(inp.q, self.out_shape)
-            outp = np.uint64(ops.ptr(out))
+            outp = ops.ptr(out)
             scratch = ops.empty(inp.q, (self.scratch_bytes,), "uint8")
-            ptrs = tuple(np.uint64(ops.ptr(scratch) + o) for o in self.offsets)
+            base = ops.ptr(scratch)
+            ptrs = tuple(base + o for o in self.offsets)
             xb, codes, po, pml, rl, hm, cnt = ptrs[:7]
-            null = _inputs.NULL
             if sample is not None:
                 am, stash, lens32, tile_m, tile_l, cdf, iid, idx32 = ptrs[7:]
             else:
-                am = stash = lens32 = null
+                am = stash = lens32 = 0
             indices = None
             if sample is not None and (return_indices or diagnostics):
                 indices = ops.empty(inp.q, self.idx_shape, "int64")
             if diagnostics:
                 rows = s.batch * s.q_heads
                 diag = ops.empty(inp.q, (_align(32 * rows) + 16 * s.batch * s.kv_heads,), "uint8")
-                stats = np.uint64(ops.ptr(diag))
-                rows_read = np.uint64(ops.ptr(diag) + _align(32 * rows))
+                stats = ops.ptr(diag)
+                rows_read = stats + _align(32 * rows)
             else:
-                stats = rows_read = null
-            self.logits(self.grid_logits, (_LOGIT_THREADS,), (qp, cent, sizes, xb) + self.tail_logits,
-                        stream)
-            select_args = ((xb, sizes, lens, ws, codes, stats, rows_read) + self.select_mid
-                           + (np.int32(n_sink), np.float64(p1), np.float64(p2),
-                              np.int32(1 if count else 0), np.int32(count)))
-            if self.sorted:
-                select_args += (np.int32(self.sort_p),)
-            self.select(self.grid_select, (self.select_threads,), select_args, stream)
-            n_pad = np.int64(self.n_pad if sample is not None else 0)
-            self.rows(self.grid_rows, (_ROW_THREADS,),
-                      (lens, ws, labels, codes, rl, hm, cnt, rows_read) + self.rows_tail
-                      + (np.int32(n_sink), np.int32(self.slices), am, stash, n_pad, lens32), stream)
-            self.attend(self.grid_attend, (self.threads,),
-                        (qp, kp, vp, rl, hm, cnt, codes, xb, sizes, vsums, outp, po, pml)
-                        + self.attend_tail + (am, stash, n_pad), stream)
+                stats = rows_read = 0
+            self.logits(stream, qp, cent, sizes, xb)
+            self.select(stream, xb, sizes, lens, ws, codes, stats, rows_read, n_sink, p1, p2,
+                        1 if count else 0, count)
+            self.rows(stream, lens, ws, labels, codes, rl, hm, cnt, rows_read, n_sink, am, stash,
+                      lens32)
+            self.attend(stream, qp, kp, vp, rl, hm, cnt, codes, xb, sizes, vsums, outp, po, pml,
+                        am, stash)
             if sample is not None:
-                self.tiles(self.grid_tiles, (_TILE_THREADS,),
-                           (stash, lens32, tile_m, tile_l) + self.tiles_tail, stream)
-                idxp = null if indices is None else np.uint64(ops.ptr(indices))
-                self.sample((s.batch * s.q_heads,), (_SAMPLE_THREADS,),
-                            (vp, lens32, stash, tile_m, tile_l, cdf, iid, idx32, idxp, outp)
-                            + self.sample_mid
-                            + (np.uint64(rng[0]), np.uint32(rng[1]),
-                               np.uint32(PURPOSE_CLUSTER_SAMPLER), po, pml, np.int32(self.total),
-                               np.int32(self.total - 1)), stream)
+                self.tiles(stream, stash, lens32, tile_m, tile_l)
+                idxp = 0 if indices is None else ops.ptr(indices)
+                self.sample(stream, vp, lens32, stash, tile_m, tile_l, cdf, iid, idx32, idxp, outp,
+                            rng[0], rng[1], po, pml)
             if self.merge is not None:
-                self.merge(self.merge_grid, (s.head_dim,), (po, pml, outp) + self.merge_tail, stream)
+                self.merge(stream, po, pml, outp)
             res = (out,) + ((indices,) if return_indices else ())
             if diagnostics:
                 extra = None
@@ -384,7 +395,7 @@ class _DoublePPlan:
         qp, kp = np.uint64(ops.ptr(inp.q)), np.uint64(ops.ptr(inp.k))
         lens, ws, labels = lens_ws_labels
         self.true_mass((tm_chunks, s.kv_heads, s.batch), (_LOGIT_THREADS,),
-                       (qp, kp, lens, ws, labels, codes, np.uint64(ops.ptr(part)), np.int32(s.kv_heads),
+                       (qp, kp, lens, ws, labels, np.uint64(codes), np.uint64(ops.ptr(part)), np.int32(s.kv_heads),
                         np.int32(s.group), np.int64(s.tokens), np.int64(self.NL), np.int32(self.C),
                         np.int32(n_sink), np.int64(tm_len), self.scale_log2), stream)
         host = _to_host(ops, diag).view(np.uint8)
