@@ -86,18 +86,14 @@ exact_decode_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T*
   const int my_tiles = ntiles > warp ? (int)((ntiles - warp + WARPS - 1) / WARPS) : 0;
   unsigned char* ring = smem + warp * (STAGES * kStageBytesTc);
   const unsigned ring_s = static_cast<unsigned>(__cvta_generic_to_shared(ring));
-  auto tile_row0 = [&](int i) { return start + ((long long)i * WARPS + warp) * ROWS; };
+  auto tile_row0 = [&](long long i) { return start + (i * WARPS + warp) * ROWS; };
 
-  // Prologue: the first STAGES - 1 tiles in flight (empty groups keep the count uniform).
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < my_tiles) {
-      unsigned char* st = ring + s * kStageBytesTc;
-      tc::load_rows<D, ROWS>(st, kbase, tile_row0(s), end, lane);
-      tc::load_rows<D, ROWS>(st + kTileBytes, vbase, tile_row0(s), end, lane);
-    }
-    cp_async_commit();
-  }
+  auto load = [&](int slot, long long i) {  // tile i of this warp (K, then V) into a slot
+    unsigned char* st = ring + slot * kStageBytesTc;
+    tc::load_rows<D, ROWS>(st, kbase, tile_row0(i), end, lane);
+    tc::load_rows<D, ROWS>(st + kTileBytes, vbase, tile_row0(i), end, lane);
+  };
+  tc::ring_prologue<STAGES>(my_tiles, load);
 
   // Online softmax state of head grp: m (the quad's shared max, log2 domain), l (this
   // lane's partial sum; the quad's are added at the end), o[n] features 8 n + 2 tig + {0,1}.
@@ -111,20 +107,10 @@ exact_decode_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T*
   // piece 2 j + 1) of a 16-key step give b0, b1 of output tiles 2 j and 2 j + 1.
   const int v_row = (lane & 7) + ((lane >> 3) & 1) * 8, v_piece = lane >> 4;
 
-  int rd = 0, wr = STAGES - 1;
+  tc::RingSlots<STAGES> slots;
   for (int i = 0; i < my_tiles; ++i) {
-    cp_async_wait<STAGES - 2>();
-    __syncwarp();  // every lane's copies of tile i landed; every lane is done with tile i-1
-    if (i + STAGES - 1 < my_tiles) {
-      unsigned char* st = ring + wr * kStageBytesTc;
-      tc::load_rows<D, ROWS>(st, kbase, tile_row0(i + STAGES - 1), end, lane);
-      tc::load_rows<D, ROWS>(st + kTileBytes, vbase, tile_row0(i + STAGES - 1), end, lane);
-    }
-    cp_async_commit();
-    const unsigned sk = ring_s + rd * kStageBytesTc;
+    const unsigned sk = ring_s + tc::ring_step<STAGES>(i, my_tiles, slots, load) * kStageBytesTc;
     const unsigned sv = sk + kTileBytes;
-    rd = rd + 1 == STAGES ? 0 : rd + 1;
-    wr = wr + 1 == STAGES ? 0 : wr + 1;
     const long long row0 = tile_row0(i);
 
     // S^T: x[t][e] = logit of head grp, key 8 t + 2 tig + e.
@@ -132,18 +118,7 @@ exact_decode_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T*
     tc::tile_logits<T, D, ROWS>(x, sk, qa, lane);
 
     // Scale, mask rows past the end, one max shift per tile (the quad's lanes share it).
-    float xm = STOCHATTN_NEG_INF;
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const bool valid = row0 + 8 * t + 2 * tig + e < end;
-        x[t][e] = valid ? x[t][e] * scale_log2 : STOCHATTN_NEG_INF;
-        xm = fmaxf(xm, x[t][e]);
-      }
-    }
-    xm = fmaxf(xm, __shfl_xor_sync(0xffffffffu, xm, 1));
-    xm = fmaxf(xm, __shfl_xor_sync(0xffffffffu, xm, 2));
+    const float xm = tc::scale_mask_max<NT>(x, row0, end, tig, scale_log2);
     const float mn = fmaxf(m, xm);
     const float shift = mn == STOCHATTN_NEG_INF ? 0.f : mn;  // no inf - inf
     const float corr = exp2f(m - shift);

@@ -190,43 +190,30 @@ santa_prop_logits_tc(const T* __restrict__ q, const T* __restrict__ k,
   unsigned char* ring = dynamic_smem() + warp * (STAGES * kTileBytes);
   const unsigned ring_s = static_cast<unsigned>(__cvta_generic_to_shared(ring));
 
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < my_pieces) tc::load_rows<D, ROWS>(ring + s * kTileBytes, kbase, piece_row0(s), end, lane);
-    cp_async_commit();
-  }
+  auto load = [&](int slot, long long i) {
+    tc::load_rows<D, ROWS>(ring + slot * kTileBytes, kbase, piece_row0(i), end, lane);
+  };
+  tc::ring_prologue<STAGES>(my_pieces, load);
 
   float m = STOCHATTN_NEG_INF, l = 0.f;  // head grp's running statistics of the tile
-  int rd = 0, wr = STAGES - 1;
+  tc::RingSlots<STAGES> slots;
   for (long long i = 0; i < my_pieces; ++i) {
-    cp_async_wait<STAGES - 2>();
-    __syncwarp();  // every lane's copies of piece i landed; every lane is done with i - 1
-    if (i + STAGES - 1 < my_pieces)
-      tc::load_rows<D, ROWS>(ring + wr * kTileBytes, kbase, piece_row0(i + STAGES - 1), end, lane);
-    cp_async_commit();
-    const unsigned sk = ring_s + rd * kTileBytes;
-    rd = rd + 1 == STAGES ? 0 : rd + 1;
-    wr = wr + 1 == STAGES ? 0 : wr + 1;
+    const unsigned sk = ring_s + tc::ring_step<STAGES>(i, my_pieces, slots, load) * kTileBytes;
     const long long row0 = piece_row0(i);
 
     float x[NT][2];
     tc::tile_logits<T, D, ROWS>(x, sk, qa, lane);
-    float xm = STOCHATTN_NEG_INF;
+    const float xm = tc::scale_mask_max<NT>(x, row0, end, tig, scale);
+    if (grp < G) {
 #pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      const long long r = row0 + 8 * t + 2 * tig;  // even: the pair is 8-byte aligned
-      x[t][0] = r < end ? x[t][0] * scale : STOCHATTN_NEG_INF;
-      x[t][1] = r + 1 < end ? x[t][1] * scale : STOCHATTN_NEG_INF;
-      if (grp < G) {
+      for (int t = 0; t < NT; ++t) {
+        const long long r = row0 + 8 * t + 2 * tig;  // even: the pair is 8-byte aligned
         if (r + 1 < end)
           *reinterpret_cast<float2*>(xout + r) = make_float2(x[t][0], x[t][1]);
         else if (r < end)
           xout[r] = x[t][0];
       }
-      xm = fmaxf(xm, fmaxf(x[t][0], x[t][1]));
     }
-    xm = fmaxf(xm, __shfl_xor_sync(0xffffffffu, xm, 1));
-    xm = fmaxf(xm, __shfl_xor_sync(0xffffffffu, xm, 2));
     const int sub = (int)(i % per_span);  // uniform over the warp
     if (sub == 0) {
       m = STOCHATTN_NEG_INF;

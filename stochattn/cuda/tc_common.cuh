@@ -13,53 +13,36 @@ namespace tc {
 template <typename T>
 struct Pack;
 
-template <>
-struct Pack<f16> {
-  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-  }
-};
-
-template <>
-struct Pack<bf16> {
-  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-  }
-};
-
 // D += A . B for one m16n8k16 tile with A rows 8..15 zero (a1 = a3 = 0) and the accumulator
 // rows 8..15 discarded: d0, d1 are row groupID, columns 2 tig, 2 tig + 1.
 template <typename T>
 __device__ __forceinline__ void mma_rows8(float& d0, float& d1, unsigned a0, unsigned a2,
                                           unsigned b0, unsigned b1);
 
-template <>
-__device__ __forceinline__ void mma_rows8<f16>(float& d0, float& d1, unsigned a0, unsigned a2,
-                                               unsigned b0, unsigned b1) {
-  float u2, u3;  // rows 8..15: zero, unused
-  asm(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%10, %11, %12, %13};\n"
-      : "=f"(d0), "=f"(d1), "=f"(u2), "=f"(u3)
-      : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(d0), "f"(d1), "f"(0.f),
-        "f"(0.f));
-}
+// The two specialisations per element type differ only in the PTX type name.
+#define STOCHATTN_TC_TYPE(T, PTX)                                                           \
+  template <>                                                                              \
+  struct Pack<T> {                                                                         \
+    static __device__ __forceinline__ unsigned pack(float lo, float hi) {                  \
+      unsigned r;                                                                          \
+      asm("cvt.rn." PTX "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));                 \
+      return r;                                                                            \
+    }                                                                                      \
+  };                                                                                       \
+  template <>                                                                              \
+  __device__ __forceinline__ void mma_rows8<T>(float& d0, float& d1, unsigned a0,          \
+                                               unsigned a2, unsigned b0, unsigned b1) {    \
+    float u2, u3; /* rows 8..15: zero, unused */                                           \
+    asm("mma.sync.aligned.m16n8k16.row.col.f32." PTX "." PTX ".f32 {%0, %1, %2, %3}, "     \
+        "{%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};\n"                               \
+        : "=f"(d0), "=f"(d1), "=f"(u2), "=f"(u3)                                           \
+        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(d0), "f"(d1), "f"(0.f), \
+          "f"(0.f));                                                                       \
+  }
 
-template <>
-__device__ __forceinline__ void mma_rows8<bf16>(float& d0, float& d1, unsigned a0, unsigned a2,
-                                                unsigned b0, unsigned b1) {
-  float u2, u3;  // rows 8..15: zero, unused
-  asm(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%10, %11, %12, %13};\n"
-      : "=f"(d0), "=f"(d1), "=f"(u2), "=f"(u3)
-      : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(d0), "f"(d1), "f"(0.f),
-        "f"(0.f));
-}
+STOCHATTN_TC_TYPE(f16, "f16")
+STOCHATTN_TC_TYPE(bf16, "bf16")
+#undef STOCHATTN_TC_TYPE
 
 // Four 8x8 matrices of 16-bit elements from shared memory; lane 8 i + j gives the address
 // of row j of matrix i. Non-transposed: lane t gets row t / 4, elements 2 (t % 4) + {0, 1}
@@ -133,6 +116,58 @@ __device__ __forceinline__ void tile_logits(float (&x)[ROWS / 8][2], unsigned sk
       mma_rows8<T>(x[t][0], x[t][1], qa[2 * p + 1][0], qa[2 * p + 1][1], r[2], r[3]);
     }
   }
+}
+
+// Scales the logits of tile_logits (key 8 t + 2 tig + e of a tile starting at row0) by
+// `scale`, masks keys at or past `end` to -inf, and returns the max over the quad's lanes
+// (the 16 keys of head grp; -inf if none is valid).
+template <int NT>
+__device__ __forceinline__ float scale_mask_max(float (&x)[NT][2], long long row0,
+                                                long long end, int tig, float scale) {
+  float xm = STOCHATTN_NEG_INF;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      x[t][e] = row0 + 8 * t + 2 * tig + e < end ? x[t][e] * scale : STOCHATTN_NEG_INF;
+      xm = fmaxf(xm, x[t][e]);
+    }
+  }
+  xm = fmaxf(xm, __shfl_xor_sync(0xffffffffu, xm, 1));
+  return fmaxf(xm, __shfl_xor_sync(0xffffffffu, xm, 2));
+}
+
+// A warp's STAGES-slot cp.async ring over `steps` tiles: `load(slot, step)` issues the
+// copies of one tile into one slot. ring_prologue puts the first STAGES - 1 tiles in
+// flight (empty commit groups keep the count uniform); ring_step(i, ...) waits for tile
+// i, refills the slot freed by tile i - 1 with tile i + STAGES - 1 and returns the slot
+// holding tile i. No CTA barrier: each lane waits for its own copies, __syncwarp for the
+// others'.
+template <int STAGES, typename Load>
+__device__ __forceinline__ void ring_prologue(long long steps, Load load) {
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < steps) load(s, (long long)s);
+    cp_async_commit();
+  }
+}
+
+template <int STAGES>
+struct RingSlots {
+  int rd = 0, wr = STAGES - 1;  // the slot read and the slot refilled this step
+};
+
+template <int STAGES, typename Load>
+__device__ __forceinline__ int ring_step(long long i, long long steps, RingSlots<STAGES>& ring,
+                                         Load load) {
+  cp_async_wait<STAGES - 2>();
+  __syncwarp();  // every lane's copies of tile i landed; every lane is done with tile i - 1
+  if (i + STAGES - 1 < steps) load(ring.wr, i + STAGES - 1);
+  cp_async_commit();
+  const int slot = ring.rd;
+  ring.rd = ring.rd + 1 == STAGES ? 0 : ring.rd + 1;
+  ring.wr = ring.wr + 1 == STAGES ? 0 : ring.wr + 1;
+  return slot;
 }
 
 }  // namespace tc
