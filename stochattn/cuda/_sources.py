@@ -228,8 +228,12 @@ TC_TILINGS = (TcTiling(8, 16, 3), TcTiling(4, 16, 3), TcTiling(4, 16, 4), TcTili
 _active_tc = [TC_TILINGS[0]]
 
 # The compiled tilings of S²ANTA-prop's tensor-core pass 1 (santa_prop_logits_tc: K rings
-# only, rows 16 or 32); the first is the default (bench/prop_breakdown.py --tilings).
-PROP_TC_TILINGS = (TcTiling(8, 16, 3, 1), TcTiling(8, 16, 6, 1), TcTiling(4, 32, 4, 1))
+# only, rows 16 or 32); the first is the default. bench/prop_breakdown.py, H200, fp16,
+# S = 256 (2026-12-04, bench/results/prop_breakdown_2026-12-04b.json): w4 r32 s4 is the
+# fastest at every shape measured (batch 8 / 32k 170 us against 176 and 181; batch 8 / 128k
+# 588 against 613 and 617; batch 32 / 32k 611 against 630 and 626; batch 1 / 128k 107
+# against 110 and 111).
+PROP_TC_TILINGS = (TcTiling(4, 32, 4, 1), TcTiling(8, 16, 3, 1), TcTiling(8, 16, 6, 1))
 _active_prop_tc = [PROP_TC_TILINGS[0]]
 
 
