@@ -12,8 +12,10 @@ on (B, Hq, 1, D) / (B, Hkv, N, D). Each kernel's output is checked against SDPA'
 Prints one row per (dtype, batch, context) with time and % of the floor for simt, the
 default tc tiling, the fastest tc tiling, SDPA, and the default tc and SDPA once more with
 the 20 calls captured in a CUDA graph and replayed (GPU time without the host's launch
-overhead, which matters at batch 1); then the tc tilings by the geometric mean of
-time / floor. ``--json PATH`` writes every measurement.
+overhead, which matters at batch 1), and the default tc with the chunks merged by a second
+launch instead of inside the chunk launch (``_module.MERGE_IN_KERNEL = False``; "2-launch",
+plain and graphed); then the tc tilings by the geometric mean of time / floor.
+``--json PATH`` writes every measurement.
 
 Run: PYTHONPATH=. python3 bench/tune_exact_tc.py [--json PATH] [--quick]
 """
@@ -86,6 +88,7 @@ def main(argv=None):
     import torch.nn.functional as F
 
     from stochattn.cuda import _sources
+    from stochattn.cuda import _module
     from stochattn.cuda.exact import exact_decode
 
     dtypes = DTYPES[:1] if args.quick else DTYPES
@@ -133,6 +136,13 @@ def main(argv=None):
                 # at batch 1.
                 row["tc_graph_us"] = time_graph(lambda: exact_decode(q, k, v, kernel="tc"))
                 row["sdpa_graph_us"] = time_graph(sdpa)
+                _module.MERGE_IN_KERNEL = False
+                try:
+                    row["tc_two_launch_us"] = time_steady(lambda: exact_decode(q, k, v, kernel="tc"))
+                    row["tc_two_launch_graph_us"] = time_graph(
+                        lambda: exact_decode(q, k, v, kernel="tc"))
+                finally:
+                    _module.MERGE_IN_KERNEL = True
                 rows.append(row)
                 del q, k, v, q4, ref
                 torch.cuda.empty_cache()
@@ -173,12 +183,14 @@ def _print_row(r, default_label):
     if not _print_row.header:
         print(f"{'dtype':8s} {'B':>3s} {'N':>7s} {'floor us':>9s} | {'simt us':>8s} {'%fl':>6s} | "
               f"{'tc us':>8s} {'%fl':>6s} | {'best tc':>8s} {'%fl':>6s} {'(tiling)':18s} | "
-              f"{'sdpa us':>8s} {'%fl':>6s} | graphed: {'tc':>8s} {'%fl':>6s} {'sdpa':>8s} {'%fl':>6s}")
+              f"{'sdpa us':>8s} {'%fl':>6s} | graphed: {'tc':>8s} {'%fl':>6s} {'sdpa':>8s} {'%fl':>6s}"
+              f" | 2-launch: {'tc':>8s} {'%fl':>6s} graphed {'tc':>8s} {'%fl':>6s}")
         _print_row.header = True
     print(f"{r['dtype']:8s} {r['batch']:3d} {r['context']:7d} {fl:9.1f} | {cell(r['simt_us'], r['simt_err'])} | "
           f"{cell(tcd['us'], tcd['err'])} | {cell(r['tc'][best]['us'], r['tc'][best]['err'])} "
           f"({best:16s}) | {cell(r['sdpa_us'])} |          {cell(r['tc_graph_us'])} "
-          f"{cell(r['sdpa_graph_us'])}", flush=True)
+          f"{cell(r['sdpa_graph_us'])} |           {cell(r['tc_two_launch_us'])}         "
+          f"{cell(r['tc_two_launch_graph_us'])}", flush=True)
 
 
 _print_row.header = False

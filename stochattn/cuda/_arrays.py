@@ -63,6 +63,13 @@ class _TorchOps:
         return like.new_empty(shape, dtype=getattr(torch, dtype))
 
     @staticmethod
+    def zeros(like, shape, dtype):
+        """Zeroed tensor of ``dtype`` (as in :meth:`empty`), filled on the current stream."""
+        import torch
+
+        return like.new_zeros(shape, dtype=getattr(torch, dtype))
+
+    @staticmethod
     def device_error(name, t):
         return TypeError(f"`{name}` must be a CUDA tensor, got a tensor on {t.device}")
 
@@ -96,6 +103,12 @@ class _CupyOps:
         import cupy
 
         return cupy.empty(shape, dtype=like.dtype if dtype is None else dtype)
+
+    @staticmethod
+    def zeros(like, shape, dtype):
+        import cupy
+
+        return cupy.zeros(shape, dtype=dtype)  # memset on CuPy's current stream
 
     @staticmethod
     def device_error(name, a):  # CuPy arrays always live on a GPU

@@ -170,6 +170,83 @@ def _launch_kernel():
     return _launch[0]
 
 
+class StreamCounters:
+    """``n`` int32 counters that start at zero and that the kernel itself sets back to zero
+    after each launch (the arrival counts of exact decode's in-kernel merge), one array per
+    stream: launches on one stream run in order and share its array, launches on two
+    streams never share one. The arrays come from the inputs' framework (zeroed on the
+    launch stream, so a first call inside CUDA-graph capture records the fill too) and live
+    as long as the plan; at most :attr:`MAX_STREAMS` streams are remembered."""
+
+    MAX_STREAMS = 64
+
+    def __init__(self, n: int):
+        self.n = n
+        self._arrays: dict = {}
+        self._lock = threading.Lock()
+
+    def pointer(self, ops, like, stream) -> int:
+        """Device pointer of the counters of ``stream`` (a CuPy stream object, or None for
+        CuPy's current stream), allocated and zeroed on first use."""
+        sptr = stream.ptr if stream is not None else _current_stream_ptr()
+        a = self._arrays.get(sptr)
+        if a is None:
+            with self._lock:
+                if len(self._arrays) >= self.MAX_STREAMS:
+                    # Freed through the framework's stream-ordered allocator: safe while a
+                    # launch that uses an array is still in flight on its stream.
+                    self._arrays.clear()
+                a = self._arrays[sptr] = ops.zeros(like, (self.n,), "int32")
+        return ops.ptr(a)
+
+
+#: With several chunks, the last CTA of each (sequence, KV head) merges the chunk partials
+#: inside the chunk launch of exact decode and S²ANTA-flash (one launch per call; bit for bit
+#: the two-launch result). False: a separate exact_decode_merge launch (tests and
+#: benchmarks compare the two; read when a call looks up its plan, part of the plan key).
+MERGE_IN_KERNEL = True
+
+
+class ChunkMerge:
+    """The chunk partials of a split-KV launch (exact decode, S²ANTA-flash) and how they
+    are combined. One scratch buffer per call holds the partial outputs (fp32, ``rows x
+    chunks x head_dim``) and then their (max, sum) pairs. ``in_kernel``: the chunk kernel's
+    last CTA of each of the ``groups`` (sequence, KV head) pairs merges them
+    (group_state.cuh: merge_if_last_chunk; arrival counters per stream,
+    :class:`StreamCounters`); otherwise an ``exact_decode_merge`` launch of ``family`` does,
+    with the same arithmetic."""
+
+    def __init__(self, family: str, ctype: str, config, rows: int, chunks: int, head_dim: int,
+                 groups: int, in_kernel: bool):
+        self.ml_offset = _align(4 * rows * chunks * head_dim)
+        self.scratch_bytes = self.ml_offset + 8 * rows * chunks
+        self.counters = StreamCounters(groups) if in_kernel else None
+        self.merge = None
+        if not in_kernel:
+            null = np.uint64(0)
+            self.merge = Packed(launcher(family, f"exact_decode_merge<{ctype}>", 0, config),
+                                (rows,), (head_dim,),
+                                (null, null, null, np.int32(chunks), np.int32(head_dim)), range(3))
+
+    def partials(self, ops, like, stream):
+        """``(scratch, partial outputs, (max, sum) pairs, counters)``: the buffer to keep
+        alive until the launches are queued, and the three pointers the chunk kernel takes
+        (counters 0 when a merge launch follows)."""
+        scratch = ops.empty(like, (self.scratch_bytes,), "uint8")
+        po = ops.ptr(scratch)
+        cnt = self.counters.pointer(ops, like, stream) if self.counters is not None else 0
+        return scratch, po, po + self.ml_offset, cnt
+
+    def finish(self, stream, po: int, pml: int, outp: int) -> None:
+        """The merge launch, when the chunk kernel does not merge."""
+        if self.merge is not None:
+            self.merge(stream, po, pml, outp)
+
+
+def _align(nbytes: int, to: int = 256) -> int:
+    return -(-nbytes // to) * to
+
+
 def _current_stream_ptr() -> int:
     import cupy
 

@@ -87,19 +87,20 @@ def exact_decode(q, k, v, seq_lens=None, *, softmax_scale=None, num_chunks=None,
     inp = _inputs.gather(q, k, v)
     config = _sources.get_config()
     tiling = _sources.get_tc_tiling() if kernel == "tc" else None
+    in_kernel = bool(_module.MERGE_IN_KERNEL)
     key = ("exact_decode", inp.key, type(softmax_scale), softmax_scale, type(num_chunks), num_chunks,
-           config, kernel, tiling)
+           config, kernel, tiling, in_kernel)
     plan = _inputs.cached_plan(key, lambda: _ExactPlan(inp, softmax_scale, num_chunks, config,
-                                                       tiling))
+                                                       tiling, in_kernel))
     return plan.run(inp, seq_lens, check_seq_lens)
 
 
 class _ExactPlan:
     """Everything one configuration of :func:`exact_decode` needs, resolved once."""
 
-    def __init__(self, inp, softmax_scale, num_chunks, config, tiling=None):
+    def __init__(self, inp, softmax_scale, num_chunks, config, tiling=None, in_kernel=True):
         """``tiling``: a :class:`_sources.TcTiling` for the tensor-core kernel, None for
-        the CUDA-core one."""
+        the CUDA-core one; ``in_kernel``: merge the chunks inside the chunk launch."""
         s, scale, self.device, dtype_name = _inputs.base_plan(inp, softmax_scale)
         num_chunks = _inputs.check_num_chunks(num_chunks)
         self.shape = s
@@ -120,23 +121,19 @@ class _ExactPlan:
             chunks, chunk_len = _module.split_tokens(family, name, smem, config,
                                                      s.batch * s.kv_heads, s.tokens, align, num_chunks,
                                                      threads=self.threads)
-            merge = _module.launcher(family, f"exact_decode_merge<{ctype}>", 0, config) \
+            self.split = _module.ChunkMerge(family, ctype, config, s.batch * s.q_heads, chunks,
+                                            s.head_dim, s.batch * s.kv_heads, in_kernel) \
                 if chunks > 1 else None
         self.chunks, self.chunk_len = chunks, chunk_len
         self.out_shape = (s.batch, s.q_heads, s.head_dim)
         tail = (np.int32(s.kv_heads), np.int32(s.group), np.int64(s.tokens), np.int64(chunk_len),
                 np.int32(chunks), np.float32(scale * math.log2(math.e)))
-        # Packed launches: q, k, v, seq_lens, out, partial outputs, (m, l) pairs change per
-        # call (a single chunk writes `out` and no partials: their pointers stay null).
+        # Packed launches: q, k, v, seq_lens, out, partial outputs, (m, l) pairs, merge
+        # counters change per call (a single chunk writes `out` and no partials: their
+        # pointers stay null).
         null = _inputs.NULL
         self.chunk = _module.Packed(chunk, (chunks, s.kv_heads, s.batch), (self.threads,),
-                                    (null,) * 7 + tail, variable=range(7))
-        # One scratch buffer when split: partial outputs (fp32, B Hq C D), then (m, l) pairs.
-        self.ml_offset = _align(4 * s.batch * s.q_heads * chunks * s.head_dim)
-        self.scratch_bytes = self.ml_offset + 8 * s.batch * s.q_heads * chunks
-        self.merge = None if merge is None else _module.Packed(
-            merge, (s.batch * s.q_heads,), (s.head_dim,),
-            (null, null, null, np.int32(chunks), np.int32(s.head_dim)), variable=range(3))
+                                    (null,) * 8 + tail, variable=range(8))
 
     def run(self, inp, seq_lens, check_seq_lens):
         ops = inp.ops
@@ -146,16 +143,11 @@ class _ExactPlan:
                                                                   self.device)
             out = ops.empty(inp.q, self.out_shape)
             outp = ops.ptr(out)
-            if self.merge is None:
-                self.chunk(stream, qp, kp, vp, lens, outp, 0, 0)
+            if self.split is None:  # one chunk: the kernel writes `out`, no partials
+                self.chunk(stream, qp, kp, vp, lens, outp, 0, 0, 0)
             else:
-                scratch = ops.empty(inp.q, (self.scratch_bytes,), "uint8")
-                po = ops.ptr(scratch)
-                pml = po + self.ml_offset
-                self.chunk(stream, qp, kp, vp, lens, outp, po, pml)
-                self.merge(stream, po, pml, outp)
+                _scratch, po, pml, cnt = self.split.partials(ops, inp.q, stream)
+                self.chunk(stream, qp, kp, vp, lens, outp, po, pml, cnt)
+                self.split.finish(stream, po, pml, outp)
         return out
 
-
-def _align(nbytes: int, to: int = 256) -> int:
-    return -(-nbytes // to) * to

@@ -8,7 +8,9 @@
 // online-softmax max shift is updated once per stage (over this thread's rows of it). Logits, softmax and the weighted V sum
 // are fp32, in the log2 domain (q is pre-scaled by scale * log2(e), so exp2f replaces
 // expf). With one chunk the CTA writes the output; otherwise it writes its normalised
-// partial output and (max, sum) and exact_decode_merge combines the chunks.
+// partial output and (max, sum), and the chunks are combined either by the last CTA of the
+// group to finish (counters non-null: one zeroed int per (b, KV head), group_state.cuh:
+// merge_if_last_chunk) or by the exact_decode_merge launch (counters null).
 //
 // Template parameters: element type (stochattn::f16, stochattn::bf16: 16-bit storage), head dim D (64, 128), GMAX
 // (4 or 8): the register arrays are sized for GMAX heads and the actual group size
@@ -22,8 +24,9 @@ template <typename T, int D, int GMAX>
 __global__ void __launch_bounds__(kThreads)
 exact_decode_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                    const int* __restrict__ seq_lens, T* __restrict__ out,
-                   float* __restrict__ part_o, float* __restrict__ part_ml, int Hkv, int G,
-                   long long N, long long chunk_len, int num_chunks, float scale_log2) {
+                   float* __restrict__ part_o, float* __restrict__ part_ml,
+                   int* __restrict__ counters, int Hkv, int G, long long N, long long chunk_len,
+                   int num_chunks, float scale_log2) {
   using Tl = Tiling<D>;
   constexpr int LPR = Tl::kLanesPerRow;
   constexpr int RPT = Tl::kRowsPerThread;
@@ -47,6 +50,9 @@ exact_decode_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __
 
   if (start >= end) {  // nothing in this chunk (past seq_lens[b], or an empty sequence)
     write_empty_group<T, D>(G, head0, out, part_o, part_ml, num_chunks, chunk);
+    if (counters)
+      merge_if_last_chunk<T, D>(counters, (long long)b * Hkv + kvh, G, head0, part_o, part_ml, out,
+                                num_chunks);
     return;
   }
 
@@ -122,29 +128,19 @@ exact_decode_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __
 
   finish_group_state<T, D, GMAX>(m, l, acc, G, smem, head0, out, part_o, part_ml, num_chunks,
                                  chunk);
+  if (counters)
+    merge_if_last_chunk<T, D>(counters, (long long)b * Hkv + kvh, G, head0, part_o, part_ml, out,
+                              num_chunks);
 }
 
-// Combine the chunks of each (b, query head): out = sum_c w_c o_c / sum_c w_c with
-// w_c = l_c * 2^(m_c - M), M the max over chunks (log2 domain, as written above). Chunks
-// that saw no token have m_c = -inf, l_c = 0 and weigh nothing; a row with no token at
-// all (seq_len 0) gets zeros. Grid (B * Hq), block (D). The order of the sums is fixed,
-// so the result is deterministic.
+// Combine the chunks of each (b, query head) (group_state.cuh: merge_chunk_partials) when
+// the chunk kernel did not (counters null; flash and Double-P always use this launch).
+// Grid (B * Hq), block (D).
 template <typename T>
 __global__ void exact_decode_merge(const float* __restrict__ part_o,
                                    const float* __restrict__ part_ml, T* __restrict__ out,
                                    int num_chunks, int D) {
   const long long row = blockIdx.x;
   const int d = threadIdx.x;
-  const float* ml = part_ml + row * num_chunks * 2;
-  float M = STOCHATTN_NEG_INF;
-  for (int c = 0; c < num_chunks; ++c) M = fmaxf(M, ml[2 * c]);
-  float L = 0.f, o = 0.f;
-  if (M != STOCHATTN_NEG_INF) {
-    for (int c = 0; c < num_chunks; ++c) {
-      const float w = ml[2 * c + 1] * exp2f(ml[2 * c] - M);
-      L += w;
-      o = fmaf(w, part_o[(row * num_chunks + c) * D + d], o);
-    }
-  }
-  out[row * D + d] = Elem<T>::from_float(L > 0.f ? o / L : 0.f);
+  out[row * D + d] = Elem<T>::from_float(merge_chunk_partials(part_o, part_ml, row, d, num_chunks, D));
 }

@@ -3,7 +3,8 @@
 // Same contract and grid as exact_decode_chunk (exact_decode.cu): grid (num_chunks, Hkv, B),
 // one CTA per (sequence b, KV head, chunk of tokens) computes the G <= 8 query heads of the
 // GQA group, writes the output (one chunk) or the normalised partial output and its
-// (max, sum) in the log2 domain, which exact_decode_merge combines.
+// (max, sum) in the log2 domain, which the group's last CTA (counters non-null) or
+// exact_decode_merge combines.
 //
 // FlashAttention-2 style, with the group's query heads as the M dimension (16 rows, rows
 // >= G zero):
@@ -46,8 +47,9 @@ template <typename T, int D, int WARPS, int ROWS, int STAGES>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 exact_decode_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                       const int* __restrict__ seq_lens, T* __restrict__ out,
-                      float* __restrict__ part_o, float* __restrict__ part_ml, int Hkv, int G,
-                      long long N, long long chunk_len, int num_chunks, float scale_log2) {
+                      float* __restrict__ part_o, float* __restrict__ part_ml,
+                      int* __restrict__ counters, int Hkv, int G, long long N,
+                      long long chunk_len, int num_chunks, float scale_log2) {
   using namespace stochattn;
   static_assert(D == 64 || D == 128, "head_dim must be 64 or 128");
   static_assert(ROWS % 16 == 0 && ROWS >= 16 && ROWS <= 128, "ROWS: a multiple of 16");
@@ -72,6 +74,9 @@ exact_decode_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T*
   unsigned char* smem = dynamic_smem();
   if (start >= end) {  // nothing in this chunk (past seq_lens[b], or an empty sequence)
     write_empty_group<T, D, kThreadsTc>(G, head0, out, part_o, part_ml, num_chunks, chunk);
+    if (counters)
+      merge_if_last_chunk<T, D, kThreadsTc>(counters, (long long)b * Hkv + kvh, G, head0, part_o,
+                                            part_ml, out, num_chunks);
     return;
   }
 
@@ -173,4 +178,7 @@ exact_decode_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T*
   __syncthreads();
   combine_warps_and_write<T, D, 8, WARPS, kThreadsTc>(smem, G, head0, out, part_o, part_ml,
                                                       num_chunks, chunk);
+  if (counters)
+    merge_if_last_chunk<T, D, kThreadsTc>(counters, (long long)b * Hkv + kvh, G, head0, part_o,
+                                          part_ml, out, num_chunks);
 }

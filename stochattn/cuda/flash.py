@@ -119,10 +119,12 @@ def santa_flash(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_si
     want_stats = val.check_bool("return_tile_stats", return_tile_stats)
     inp = _inputs.gather(q, k, v)
     config = _sources.get_config()
+    in_kernel = bool(_module.MERGE_IN_KERNEL)
     key = (_FAMILY, inp.key, type(budget), budget, sampler, type(tile_size), tile_size,
-           type(softmax_scale), softmax_scale, type(num_chunks), num_chunks, config)
+           type(softmax_scale), softmax_scale, type(num_chunks), num_chunks, config, in_kernel)
     plan = _inputs.cached_plan(
-        key, lambda: _FlashPlan(inp, budget, sampler, tile_size, softmax_scale, num_chunks, config))
+        key, lambda: _FlashPlan(inp, budget, sampler, tile_size, softmax_scale, num_chunks, config,
+                                in_kernel))
     return plan.run(inp, seq_lens, check_seq_lens, seed, offset, want_idx, want_stats)
 
 
@@ -137,7 +139,8 @@ def _check_tile_size(tile_size) -> int:
 class _FlashPlan:
     """Everything one configuration of :func:`santa_flash` needs, resolved once."""
 
-    def __init__(self, inp, budget, sampler, tile_size, softmax_scale, num_chunks, config):
+    def __init__(self, inp, budget, sampler, tile_size, softmax_scale, num_chunks, config,
+                 in_kernel=True):
         S = val.check_budget("budget", budget)
         if S > 2**30:  # int32 draw counters in the kernel, with room for loop strides
             raise ValueError(f"`budget` must be at most 2**30 on the GPU, got {S}")
@@ -162,28 +165,23 @@ class _FlashPlan:
             chunk = _module.launcher(_FAMILY, name, smem, config)
             chunks, chunk_len = _module.split_tokens(_FAMILY, name, smem, config,
                                                      s.batch * s.kv_heads, s.tokens, align, num_chunks)
-            merge = _module.launcher(_FAMILY, f"exact_decode_merge<{ctype}>", 0, config) \
+            self.split = _module.ChunkMerge(_FAMILY, ctype, config, s.batch * s.q_heads, chunks,
+                                            s.head_dim, s.batch * s.kv_heads, in_kernel) \
                 if chunks > 1 else None
         self.chunks, self.chunk_len = chunks, chunk_len
         self.out_shape = (s.batch, s.q_heads, s.head_dim)
         self.idx_stride = S + n_tiles - 1  # >= T_L * ceil(S / T_L) for every T_L <= n_tiles
         self.idx_shape = (s.batch, s.q_heads, self.idx_stride)
         self.tile_shape = (s.batch, s.q_heads, n_tiles)
-        # Split launches: one scratch buffer, partial outputs (fp32, B Hq C D), then (m, l).
-        self.ml_offset = _align(4 * s.batch * s.q_heads * chunks * s.head_dim)
-        self.scratch_bytes = self.ml_offset + 8 * s.batch * s.q_heads * chunks
         tail = (np.int32(s.kv_heads), np.int32(s.group), np.int64(s.tokens), np.int64(chunk_len),
                 np.int32(chunks), np.int32(ts), np.int64(n_tiles), np.int64(self.idx_stride),
                 np.int32(S), np.int32(_SAMPLER_CODE[sampler]), np.float32(scale))
-        # Packed launches: the 11 leading pointers (q, k, v, seq_lens, out, partials, (m, l),
-        # indices, tile statistics) and the seed and offset change per call.
+        # Packed launches: the 12 leading pointers (q, k, v, seq_lens, out, partials, (m, l),
+        # merge counters, indices, tile statistics) and the seed and offset change per call.
         null = _inputs.NULL
         self.chunk = _module.Packed(chunk, (chunks, s.kv_heads, s.batch), (self.threads,),
-                                    (null,) * 11 + tail + (np.uint64(0), np.uint32(0)),
-                                    tuple(range(11)) + (22, 23))
-        self.merge = None if merge is None else _module.Packed(
-            merge, (s.batch * s.q_heads,), (s.head_dim,),
-            (null, null, null, np.int32(chunks), np.int32(s.head_dim)), range(3))
+                                    (null,) * 12 + tail + (np.uint64(0), np.uint32(0)),
+                                    tuple(range(12)) + (23, 24))
 
     def run(self, inp, seq_lens, check_seq_lens, seed, offset, want_idx, want_stats):
         ops = inp.ops
@@ -202,14 +200,13 @@ class _FlashPlan:
                 statp = (ops.ptr(tile_m), ops.ptr(tile_l), ops.ptr(samples))
             else:
                 statp = (0, 0, 0)
-            if self.merge is None:  # single chunk: the kernel writes `out`, no partials
-                self.chunk(stream, qp, kp, vp, lens, outp, 0, 0, idxp, *statp, seed, offset)
+            if self.split is None:  # single chunk: the kernel writes `out`, no partials
+                self.chunk(stream, qp, kp, vp, lens, outp, 0, 0, 0, idxp, *statp, seed, offset)
             else:
-                scratch = ops.empty(inp.q, (self.scratch_bytes,), "uint8")
-                po = ops.ptr(scratch)
-                pml = po + self.ml_offset
-                self.chunk(stream, qp, kp, vp, lens, outp, po, pml, idxp, *statp, seed, offset)
-                self.merge(stream, po, pml, outp)
+                _scratch, po, pml, cnt = self.split.partials(ops, inp.q, stream)
+                self.chunk(stream, qp, kp, vp, lens, outp, po, pml, cnt, idxp, *statp, seed,
+                           offset)
+                self.split.finish(stream, po, pml, outp)
         if not (want_idx or want_stats):
             return out
         res = (out,)
@@ -263,6 +260,3 @@ def _host(a) -> np.ndarray:
         return a.detach().cpu().numpy()
     return np.asarray(a)
 
-
-def _align(nbytes: int, to: int = 256) -> int:
-    return -(-nbytes // to) * to

@@ -105,6 +105,60 @@ __device__ __forceinline__ void combine_warps_and_write(const unsigned char* sme
   }
 }
 
+// Feature d of the merged output row `row` from its num_chunks partials (written by
+// combine_warps_and_write / write_empty_group): out = sum_c w_c o_c / sum_c w_c with
+// w_c = l_c * 2^(m_c - M), M the max over chunks (log2 domain). Chunks that saw no token
+// have m_c = -inf, l_c = 0 and weigh nothing; a row with no token at all gets 0. The order
+// of the sums is fixed (deterministic). Loads bypass L1 (__ldcg): the in-kernel merge reads
+// partials that other CTAs wrote during the same launch.
+__device__ __forceinline__ float merge_chunk_partials(const float* __restrict__ part_o,
+                                                      const float* __restrict__ part_ml,
+                                                      long long row, int d, int num_chunks,
+                                                      int D) {
+  const float* ml = part_ml + row * num_chunks * 2;
+  float M = STOCHATTN_NEG_INF;
+  for (int c = 0; c < num_chunks; ++c) M = fmaxf(M, __ldcg(ml + 2 * c));
+  float L = 0.f, o = 0.f;
+  if (M != STOCHATTN_NEG_INF) {
+    for (int c = 0; c < num_chunks; ++c) {
+      const float w = __ldcg(ml + 2 * c + 1) * exp2f(__ldcg(ml + 2 * c) - M);
+      L += w;
+      o = fmaf(w, __ldcg(part_o + (row * num_chunks + c) * D + d), o);
+    }
+  }
+  return L > 0.f ? o / L : 0.f;
+}
+
+// The merge inside the chunk launch: every thread of every CTA of the grid calls this after
+// its CTA wrote its partial (or its empty partial). counters[group] (group = b * Hkv + kvh)
+// counts the CTAs of the group that are done; the last of the num_chunks to arrive merges
+// the group's G rows into `out` (merge_chunk_partials: the same arithmetic as
+// exact_decode_merge, so the result is bit for bit the two-launch one) and sets the
+// counter back to 0 for the next launch. Release/acquire: each thread's partial stores are
+// fenced before its CTA's atomic, and the last CTA fences after seeing the count. The
+// counters must start at 0 and must not be shared by two launches that run concurrently
+// (the host keeps one array per stream).
+template <typename T, int D, int THREADS = kThreads>
+__device__ __forceinline__ void merge_if_last_chunk(int* __restrict__ counters, long long group,
+                                                    int G, long long head0,
+                                                    const float* __restrict__ part_o,
+                                                    const float* __restrict__ part_ml,
+                                                    T* __restrict__ out, int num_chunks) {
+  __shared__ int is_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(counters + group, 1) == num_chunks - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < G * D; i += THREADS) {
+    const int g = i / D, d = i % D;
+    out[(head0 + g) * D + d] =
+        Elem<T>::from_float(merge_chunk_partials(part_o, part_ml, head0 + g, d, num_chunks, D));
+  }
+  if (threadIdx.x == 0) counters[group] = 0;
+}
+
 // A CTA that saw no row: zero output rows, or an empty partial (o = 0, m = -inf, l = 0).
 template <typename T, int D, int THREADS = kThreads>
 __device__ __forceinline__ void write_empty_group(int G, long long head0, T* __restrict__ out,

@@ -34,8 +34,9 @@
 //      duplicates counted instead of re-read), adding weight * count * v to each head.
 // Rows past the sequence have weight 0 and are never drawn; nothing past `end` is read. At
 // the end the warps' states are merged (group_state.cuh: finish_group_state, fixed order,
-// deterministic) into out = A / L (one chunk) or the chunk partial, which
-// exact_decode_merge (exact_decode.cu, included and reused unchanged) combines.
+// deterministic) into out = A / L (one chunk) or the chunk partial, which the last CTA of
+// the group to finish combines (counters non-null: group_state.cuh, merge_if_last_chunk)
+// or else exact_decode_merge (exact_decode.cu, included and reused unchanged).
 //
 // Shared memory per warp (dynamic; the host mirrors it in TileConfig.smem_bytes):
 // kFlashStages K stages of kStageBytes / kWarps bytes, xs [GMAX][tile_size] fp32,
@@ -107,7 +108,7 @@ __global__ void __launch_bounds__(kThreads)
 santa_flash_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                   const int* __restrict__ seq_lens, T* __restrict__ out,
                   float* __restrict__ part_o, float* __restrict__ part_ml,
-                  long long* __restrict__ idx_out, float* __restrict__ tile_m_out,
+                  int* __restrict__ counters, long long* __restrict__ idx_out, float* __restrict__ tile_m_out,
                   float* __restrict__ tile_l_out, int* __restrict__ samples_out, int Hkv, int G,
                   long long N, long long chunk_len, int num_chunks, int tile_size,
                   long long n_tiles, long long idx_stride, int S, int sampler, float scale,
@@ -156,6 +157,9 @@ santa_flash_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __r
 
   if (start >= end) {  // nothing in this chunk (past seq_lens[b], or an empty sequence)
     write_empty_group<T, D>(G, head0, out, part_o, part_ml, num_chunks, chunk);
+    if (counters)
+      merge_if_last_chunk<T, D>(counters, (long long)b * Hkv + kvh, G, head0, part_o, part_ml, out,
+                                num_chunks);
     return;
   }
 
@@ -468,4 +472,7 @@ santa_flash_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __r
   for (int g = 0; g < GMAX; ++g) l[g] = rg == 0 ? L[g] : 0.f;
   finish_group_state<T, D, GMAX>(M, l, acc, G, smem, head0, out, part_o, part_ml, num_chunks,
                                  chunk);
+  if (counters)
+    merge_if_last_chunk<T, D>(counters, (long long)b * Hkv + kvh, G, head0, part_o, part_ml, out,
+                              num_chunks);
 }

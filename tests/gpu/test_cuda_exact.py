@@ -80,6 +80,53 @@ def test_exact_tc_tilings(dtype, tiling):
 
 
 @kernels
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_exact_in_kernel_merge_equals_merge_launch(dtype, kernel, monkeypatch):
+    """The merge by the last CTA of each group inside the chunk launch gives the two-launch
+    result bit for bit: empty and one-token sequences, G = 1, 3, 4, 8, D 64 and 128, 3 to
+    64 chunks, and repeated calls with other lengths (the counters reset themselves)."""
+    from stochattn.cuda import _module
+
+    cases = [(4, 2, 4, 700, 128, 3), (3, 1, 8, 1999, 64, 64), (2, 3, 1, 257, 128, None),
+             (2, 2, 3, 1000, 128, 17)]
+    for B, Hkv, G, N, D, chunks in cases:
+        q, k, v = peaked_inputs(B, Hkv, G, N, D, seed=N + G)
+        qd, kd, vd = (to_device(a, dtype) for a in (q, k, v))
+        for lens in ([0, 1, N, N // 2][:B], [N, N - 1, 2, 0][:B], None):
+            lens_arr = None if lens is None else np.asarray(lens, dtype=np.int32)
+            got = {}
+            for flag in (True, False, True):
+                monkeypatch.setattr(_module, "MERGE_IN_KERNEL", flag)
+                got.setdefault(flag, []).append(
+                    to_host64(exact_decode(qd, kd, vd, lens_arr, num_chunks=chunks, kernel=kernel)))
+            for a in got[True]:
+                np.testing.assert_array_equal(a, got[False][0])
+
+
+@kernels
+def test_exact_in_kernel_merge_on_two_streams(kernel):
+    """Calls of one plan on two torch streams at once keep separate arrival counters: 40
+    interleaved calls on each stream all give that stream's single-call result."""
+    torch = pytest.importorskip("torch")
+    q1, k, v = peaked_inputs(2, 2, 4, 20000, 128, seed=21)
+    q2 = np.random.default_rng(22).standard_normal(q1.shape)
+    q1t, q2t, kt, vt = (torch.tensor(a, device="cuda").half() for a in (q1, q2, k, v))
+    want1, want2 = exact_decode(q1t, kt, vt, kernel=kernel), exact_decode(q2t, kt, vt, kernel=kernel)
+    streams = torch.cuda.Stream(), torch.cuda.Stream()
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    outs = []
+    for _ in range(40):
+        with torch.cuda.stream(streams[0]):
+            o1 = exact_decode(q1t, kt, vt, kernel=kernel)
+        with torch.cuda.stream(streams[1]):
+            o2 = exact_decode(q2t, kt, vt, kernel=kernel)
+        outs.append((o1, o2))
+    torch.cuda.synchronize()
+    assert all(torch.equal(o1, want1) and torch.equal(o2, want2) for o1, o2 in outs)
+
+
+@kernels
 def test_exact_large_logits_do_not_overflow(kernel):
     """|logits| ~ 1e4 in fp16: max-shifted exp, no inf/NaN, still within the rule."""
     got, ref = _check("float16", 1, 2, 4, 300, 64, None, seed=3, temp=400.0, kernel=kernel)

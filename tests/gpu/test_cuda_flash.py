@@ -233,6 +233,26 @@ def test_flash_chunks_agree():
     _assert_indices_and_output(base)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_flash_in_kernel_merge_equals_merge_launch(dtype, monkeypatch):
+    """The chunk merge by each group's last CTA inside the flash launch gives the
+    two-launch result bit for bit (empty and one-token sequences, G = 3 and 8, forced and
+    default chunk counts), call after call (the arrival counters reset themselves)."""
+    from stochattn.cuda import _module
+
+    for B, Hkv, G, N, D, chunks in [(4, 2, 3, 3000, 128, 7), (2, 1, 8, 1999, 64, None)]:
+        q, k, v = peaked_inputs(B, Hkv, G, N, D, seed=G)
+        qd, kd, vd = (to_device(a, dtype) for a in (q, k, v))
+        lens = np.asarray([0, 1, N, N // 3][:B], dtype=np.int32)
+        got = {}
+        for flag in (True, False, True):
+            monkeypatch.setattr(_module, "MERGE_IN_KERNEL", flag)
+            got.setdefault(flag, []).append(to_host64(santa_flash(
+                qd, kd, vd, lens, budget=300, seed=5, num_chunks=chunks)))
+        for a in got[True]:
+            np.testing.assert_array_equal(a, got[False][0])
+
+
 def test_flash_large_logits():
     """|logits| ~ 1e4: max-shifted tiles and merge keep everything finite; draws match."""
     r = _run("float16", 1, 2, 4, 400, 64, 128, "systematic", 64, None, seed=5, temp=400.0)
