@@ -5,6 +5,9 @@ build; without ncu it prints the CUDA-event time of that call.
     ncu --clock-control none --profile-from-start off --section SpeedOfLight \
         python3 bench/profile_kmeans.py --tokens 131072 --clusters 4096
 
+With ``--lineinfo`` the kernels carry a line table, for ``ncu --import-source yes`` and
+``ncu -i REPORT --page source --print-source cuda`` (per-line instruction counts).
+
 Keys and values: the calibrated generator (one sequence, 8 KV heads, D 128, float16), as
 bench/bench_kmeans.py.
 """
@@ -20,8 +23,20 @@ def main(argv=None):
     ap.add_argument("--clusters", type=int, default=4096)
     ap.add_argument("--iterations", type=int, default=10)
     ap.add_argument("--tol", type=float, default=0.05)
+    ap.add_argument("--lineinfo", action="store_true",
+                    help="compile the kernels with line info (ncu --print-source cuda)")
     args = ap.parse_args(argv)
     import torch
+
+    if args.lineinfo:
+        from numba.cuda.dispatcher import CUDADispatcher
+
+        import stochattn.cuda.kmeans  # noqa: F401  (patches NumPy before the kernels load)
+        from stochattn.cuda import _kmeans_kernels as kernels
+
+        for obj in vars(kernels).values():
+            if isinstance(obj, CUDADispatcher) and not obj.targetoptions.get("device"):
+                obj.targetoptions["lineinfo"] = True
 
     from bench.bench_doublep import calibrated
     from stochattn.cuda.kmeans import kmeans_gpu
