@@ -134,7 +134,8 @@ exact_decode_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __
 }
 
 // Combine the chunks of each (b, query head) (group_state.cuh: merge_chunk_partials) when
-// the chunk kernel did not (counters null; flash and Double-P always use this launch).
+// the chunk kernel did not (counters null, MERGE_IN_KERNEL False; Double-P and S²ANTA-prop
+// always use this launch).
 // Grid (B * Hq), block (D).
 template <typename T>
 __global__ void exact_decode_merge(const float* __restrict__ part_o,
