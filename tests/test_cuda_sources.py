@@ -255,3 +255,18 @@ def test_host_philox_known_answer(philox_host):
     """Philox-4x32-10 known-answer: counter 0, key 0 gives x0 = 0x6627e8d5 (Random123 KAT)."""
     words, _, _, _ = _run(philox_host, 0, 0, 0, 1, "systematic", [])
     assert int(words[0]) == 0x6627E8D5
+
+
+@pytest.mark.parametrize("backend", _backend_params())
+def test_compile_check_returns_the_cubin(backend):
+    """``cubin=True`` hands back the machine code (an ELF image) with exactly the options
+    given; a failed compile hands back none."""
+    names = ["exact_decode_merge<stochattn::f16>"]
+    opts = _sources.get_config().options() + ("-Xptxas=-v",)
+    result = _sources.compile_check(_sources.source_text("exact_decode"), names,
+                                    backend=backend, options=opts, cubin=True)
+    assert result.ok, result.log
+    assert result.cubin[:4] == b"\x7fELF"
+    assert "registers" in result.log  # the -Xptxas=-v given reached ptxas
+    bad = _sources.compile_check("__global__ void k() { x; }", ["k"], backend=backend, cubin=True)
+    assert not bad.ok and bad.cubin is None

@@ -365,6 +365,7 @@ class CompileResult:
     ok: bool
     log: str
     backend: str
+    cubin: bytes | None = None  # the machine code, when compile_check(..., cubin=True)
 
 
 def _nvcc() -> str | None:
@@ -395,18 +396,20 @@ def _with_instantiations(code: str, names) -> str:
     return code + ("\n\nvoid* stochattn_instantiations[] = {\n  " + refs + "\n};\n" if names else "\n")
 
 
-def _compile_nvcc(code: str, names, arch: str, options=_OPTIONS) -> CompileResult:
+def _compile_nvcc(code: str, names, arch: str, options=_OPTIONS, cubin=False) -> CompileResult:
     nvcc = _nvcc()
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "check.cu")
         with open(src, "w") as f:
             f.write(_with_instantiations(code, names))
-        cmd = [nvcc, f"-arch={arch}", *options, "-c", src, "-o", os.path.join(tmp, "check.o")]
+        out = os.path.join(tmp, "check.cubin" if cubin else "check.o")
+        cmd = [nvcc, f"-arch={arch}", *options, "-cubin" if cubin else "-c", src, "-o", out]
         proc = subprocess.run(cmd, capture_output=True, text=True)
-    return CompileResult(proc.returncode == 0, proc.stdout + proc.stderr, "nvcc")
+        binary = Path(out).read_bytes() if cubin and proc.returncode == 0 else None
+    return CompileResult(proc.returncode == 0, proc.stdout + proc.stderr, "nvcc", binary)
 
 
-def _compile_nvrtc(code: str, names, arch: str, options=_OPTIONS) -> CompileResult:
+def _compile_nvrtc(code: str, names, arch: str, options=_OPTIONS, cubin=False) -> CompileResult:
     lib = ctypes.CDLL(_nvrtc_library())
     prog = ctypes.c_void_p()
 
@@ -436,25 +439,36 @@ def _compile_nvrtc(code: str, names, arch: str, options=_OPTIONS) -> CompileResu
                 if st != 0:
                     ok = False
                     log += f"\nname expression {n!r} did not resolve"
-        return CompileResult(ok, log, "nvrtc")
+        binary = None
+        if ok and cubin:
+            check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+            buf = ctypes.create_string_buffer(size.value)
+            check(lib.nvrtcGetCUBIN(prog, buf), "nvrtcGetCUBIN")
+            binary = buf.raw
+        return CompileResult(ok, log, "nvrtc", binary)
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
 def compile_check(code: str, names=(), *, backend: str | None = None, arch: str = "sm_90",
-                  config: TileConfig | None = None) -> CompileResult:
+                  config: TileConfig | None = None, options=None,
+                  cubin: bool = False) -> CompileResult:
     """Compile ``code`` with the template instantiations ``names`` for ``arch``, with the
-    tiling macros of ``config`` (default: the active configuration).
+    tiling macros of ``config`` (default: the active configuration), or with exactly the
+    compiler ``options`` given (a tuple of strings; then ``config`` is not used).
 
     ``backend``: "nvcc", "nvrtc" or None (nvcc when on PATH, else NVRTC from the
-    ``nvidia-cuda-nvrtc`` wheel). Raises ``RuntimeError`` when the backend is missing.
+    ``nvidia-cuda-nvrtc`` wheel). ``cubin``: also return the machine code (``arch`` must
+    then be a real architecture such as sm_90). Raises ``RuntimeError`` when the backend is
+    missing.
     """
     found = available_backends()
     if backend is None:
         backend = "nvcc" if found["nvcc"] else "nvrtc" if found["nvrtc"] else None
     if backend is None or not found.get(backend):
         raise RuntimeError(f"no CUDA compiler: nvcc not on PATH and no libnvrtc found ({found})")
-    options = (config or get_config()).options()
+    if options is None:
+        options = (config or get_config()).options()
     if backend == "nvcc":
-        return _compile_nvcc(code, list(names), arch, options)
-    return _compile_nvrtc(code, list(names), arch, options)
+        return _compile_nvcc(code, list(names), arch, tuple(options), cubin)
+    return _compile_nvrtc(code, list(names), arch, tuple(options), cubin)
