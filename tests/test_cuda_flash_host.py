@@ -54,3 +54,51 @@ def test_flash_wrapper_imports_no_cupy():
             "assert c.santa_flash is f.santa_flash; assert 'cupy' not in sys.modules")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_flash_kernel_argument_is_checked_first():
+    """An unknown ``kernel`` is a ValueError naming the argument, before any array is read."""
+    import pytest
+
+    from stochattn.cuda.flash import santa_flash
+
+    q = np.zeros((1, 4, 64), np.float16)
+    with pytest.raises(ValueError, match="`kernel` must be one of 'simt', 'tc' or None, got 'x'"):
+        santa_flash(q, q, q, budget=4, kernel="x")
+
+
+def test_flash_tc_shared_memory_fits_and_keeps_rings_aligned():
+    """For every compiled tensor-core tiling, head dim, GMAX and tile size: the per-warp
+    block of santa_flash_tc.cu (ring, padded logits, counts, row list) is a multiple of
+    128 bytes, so every warp's ring starts where the first one does modulo 128 (16-byte
+    cp.async, bank-conflict-free ldmatrix rows); the CTA's total fits sm_90's 227 KB and
+    holds the cross-warp merge buffers."""
+    from stochattn.cuda import _sources
+    from stochattn.cuda.flash import TILE_SIZES
+
+    for t in _sources.FLASH_TC_TILINGS:
+        assert t.matrices == 1 and t.rows in (16, 32)  # the kernel's static_asserts
+        for d in _sources.HEAD_DIMS:
+            for gm in _sources.GROUP_MAXES:
+                merge = (2 + d) * t.warps * gm * 4
+                for ts in TILE_SIZES:
+                    per_warp = t.stages * t.rows * d * 2 + ts * (8 * gm + 4) + 32 * gm
+                    assert per_warp % 128 == 0, (t, d, gm, ts)
+                    total = _sources.flash_tc_smem_bytes(t, d, gm, ts)
+                    assert total == max(t.warps * per_warp, merge)
+                    assert merge <= total <= _sources.smem_limit(), (t, d, gm, ts, total)
+
+
+def test_flash_tc_tiling_is_settable_only_to_compiled_ones():
+    import pytest
+
+    from stochattn.cuda import _sources
+
+    prev = _sources.set_flash_tc_tiling(_sources.FLASH_TC_TILINGS[-1])
+    try:
+        assert _sources.get_flash_tc_tiling() == _sources.FLASH_TC_TILINGS[-1]
+        with pytest.raises(ValueError, match="compiled"):
+            _sources.set_flash_tc_tiling(_sources.TcTiling(2, 16, 2, 1))
+    finally:
+        _sources.set_flash_tc_tiling(prev)
+    assert _sources.get_flash_tc_tiling() == prev

@@ -32,6 +32,11 @@ __all__ = [
     "set_tc_tiling",
     "get_prop_tc_tiling",
     "set_prop_tc_tiling",
+    "FLASH_TC_TILINGS",
+    "get_flash_tc_tiling",
+    "set_flash_tc_tiling",
+    "flash_tc_smem_bytes",
+    "smem_limit",
     "DEFAULT_CONFIG",
     "get_config",
     "set_config",
@@ -52,7 +57,8 @@ SOURCE_DIR = Path(__file__).resolve().parent
 # Kernel family -> source file. One cupy.RawModule per family.
 FAMILIES = {"exact_decode": "exact_decode.cu", "exact_decode_tc": "exact_decode_tc.cu",
             "santa_prop": "santa_prop.cu",
-            "santa_flash": "santa_flash.cu", "doublep_decode": "doublep_decode.cu",
+            "santa_flash": "santa_flash.cu", "santa_flash_tc": "santa_flash_tc.cu",
+            "doublep_decode": "doublep_decode.cu",
             "doublep_append": "doublep_append.cu"}
 
 # Element type names (validation's dtype names) -> CUDA types.
@@ -236,6 +242,14 @@ _active_tc = [TC_TILINGS[0]]
 PROP_TC_TILINGS = (TcTiling(4, 32, 4, 1), TcTiling(8, 16, 3, 1), TcTiling(8, 16, 6, 1))
 _active_prop_tc = [PROP_TC_TILINGS[0]]
 
+# The compiled tilings of S²ANTA-flash's tensor-core kernel (santa_flash_tc_chunk: K rings
+# only, plus per-warp sampling buffers, flash_tc_smem_bytes); the first is the default. Not
+# yet timed (2026-12-05): w4 r16 s4 fits 3 CTAs (12 warps) per SM at tile 64, like the
+# CUDA-core kernel, with 12 KB of K in flight per warp; w4 r32 s4 is prop's fastest ring
+# (one CTA per SM); w8 r16 s2 fits 2 CTAs of 8 warps.
+FLASH_TC_TILINGS = (TcTiling(4, 16, 4, 1), TcTiling(4, 32, 4, 1), TcTiling(8, 16, 2, 1))
+_active_flash_tc = [FLASH_TC_TILINGS[0]]
+
 
 def get_tc_tiling() -> TcTiling:
     """The tensor-core tiling that ``exact_decode(..., kernel="tc")`` launches now."""
@@ -266,6 +280,35 @@ def set_prop_tc_tiling(tiling: TcTiling) -> TcTiling:
         raise ValueError(f"`tiling` must be one of the compiled {PROP_TC_TILINGS}, got {tiling!r}")
     prev, _active_prop_tc[0] = _active_prop_tc[0], tiling
     return prev
+
+
+def get_flash_tc_tiling() -> TcTiling:
+    """The tiling that ``santa_flash(..., kernel="tc")`` launches now."""
+    return _active_flash_tc[0]
+
+
+def set_flash_tc_tiling(tiling: TcTiling) -> TcTiling:
+    """Launch ``tiling`` (one of :data:`FLASH_TC_TILINGS`) for S²ANTA-flash's tensor-core
+    kernel from now on (tuning); returns the previous one."""
+    if tiling not in FLASH_TC_TILINGS:
+        raise ValueError(f"`tiling` must be one of the compiled {FLASH_TC_TILINGS}, got {tiling!r}")
+    prev, _active_flash_tc[0] = _active_flash_tc[0], tiling
+    return prev
+
+
+def flash_tc_smem_bytes(tiling: TcTiling, head_dim: int, gmax: int, tile_size: int) -> int:
+    """Dynamic shared memory of ``santa_flash_tc_chunk`` (santa_flash_tc.cu): per warp the K
+    ring, the padded logits [gmax][tile_size + 8] fp32, the counts [gmax][tile_size] and the
+    row list [tile_size] int32; reused by the cross-warp merge ((2 + D) floats per warp and
+    head)."""
+    per_warp = (tiling.stages * tiling.rows * head_dim * 2 + tile_size * (8 * gmax + 4)
+                + 32 * gmax)
+    return max(tiling.warps * per_warp, (2 + head_dim) * tiling.warps * gmax * 4)
+
+
+def smem_limit() -> int:
+    """Dynamic shared memory one CTA may use on sm_90 (bytes)."""
+    return _SMEM_LIMIT
 
 
 def group_max(group: int) -> int:
@@ -335,6 +378,13 @@ def name_expressions(family: str, dtypes=None) -> list:
             for d in HEAD_DIMS:
                 for gm in GROUP_MAXES:
                     names.append(f"santa_flash_chunk<{ctype}, {d}, {gm}>")
+            names.append(f"exact_decode_merge<{ctype}>")  # included from exact_decode.cu
+        elif family == "santa_flash_tc":
+            for d in HEAD_DIMS:
+                for gm in GROUP_MAXES:
+                    for t in FLASH_TC_TILINGS:
+                        names.append(f"santa_flash_tc_chunk<{ctype}, {d}, {gm}, "
+                                     f"{t.template_args()}>")
             names.append(f"exact_decode_merge<{ctype}>")  # included from exact_decode.cu
         elif family == "doublep_decode":
             for d in HEAD_DIMS:

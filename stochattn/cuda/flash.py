@@ -1,4 +1,5 @@
-"""S²ANTA-flash on the GPU: per-tile draws merged with deferred weights (santa_flash.cu)."""
+"""S²ANTA-flash on the GPU: per-tile draws merged with deferred weights (santa_flash.cu; the
+tile logits on the tensor cores with ``kernel="tc"``: santa_flash_tc.cu)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,15 @@ from ..reference.samplers import SAMPLERS
 from . import _inputs, _module, _sources
 from ._sources import group_max
 
-__all__ = ["santa_flash", "FlashTileStats", "flash_diagnostics", "TILE_SIZES"]
+__all__ = ["santa_flash", "FlashTileStats", "flash_diagnostics", "TILE_SIZES", "KERNELS"]
 
 _FAMILY = "santa_flash"
+_FAMILY_TC = "santa_flash_tc"
+# Step 1 (the tile's logits): "simt" on the CUDA cores (santa_flash.cu) or "tc" on the
+# tensor cores (santa_flash_tc.cu, tilings _sources.FLASH_TC_TILINGS); same draws, same
+# estimator. The default stays "simt" until bench/tune_flash.py has timed "tc" on the GPU.
+KERNELS = ("simt", "tc")
+DEFAULT_KERNEL = "simt"
 _SAMPLER_CODE = {"systematic": 0, "stratified": 1, "iid": 2}  # philox.cuh: Sampler
 TILE_SIZES = (32, 64, 128, 256)  # santa_flash.cu: powers of two up to kFlashMaxTile
 
@@ -42,7 +49,7 @@ class FlashTileStats(NamedTuple):
 
 def santa_flash(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_size=64, seed=0,
                 offset=0, softmax_scale=None, return_indices=False, return_tile_stats=False,
-                num_chunks=None, check_seq_lens=False):
+                num_chunks=None, check_seq_lens=False, kernel=None):
     """S²ANTA-flash estimate of one decode step on the GPU: ``sum_t (W_t / Z) mu_t``.
 
     Each of the T_L = ceil(L / tile_size) tiles of a sequence of L tokens draws
@@ -85,6 +92,11 @@ def santa_flash(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_si
         statistics do not depend on it; the output does only through fp32 rounding.
     check_seq_lens : bool
         Check GPU ``seq_lens`` values against [0, N] (one device-to-host copy and a sync).
+    kernel : {"simt", "tc"}, optional
+        How each tile's logits are computed: on the CUDA cores ("simt") or with mma.sync on
+        the tensor cores ("tc"; the tiling of ``_sources.get_flash_tc_tiling()``). The draws
+        and the estimator are the same; the logits differ by fp32 rounding. Default (None):
+        :data:`DEFAULT_KERNEL`.
 
     Returns
     -------
@@ -117,15 +129,25 @@ def santa_flash(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_si
     seed, offset = val.check_seed_offset(seed, offset)
     want_idx = val.check_bool("return_indices", return_indices)
     want_stats = val.check_bool("return_tile_stats", return_tile_stats)
+    tiling = _tc_tiling(DEFAULT_KERNEL if kernel is None else kernel)
     inp = _inputs.gather(q, k, v)
     config = _sources.get_config()
     in_kernel = bool(_module.MERGE_IN_KERNEL)
     key = (_FAMILY, inp.key, type(budget), budget, sampler, type(tile_size), tile_size,
-           type(softmax_scale), softmax_scale, type(num_chunks), num_chunks, config, in_kernel)
+           type(softmax_scale), softmax_scale, type(num_chunks), num_chunks, config, in_kernel,
+           tiling)
     plan = _inputs.cached_plan(
         key, lambda: _FlashPlan(inp, budget, sampler, tile_size, softmax_scale, num_chunks, config,
-                                in_kernel))
+                                in_kernel, tiling))
     return plan.run(inp, seq_lens, check_seq_lens, seed, offset, want_idx, want_stats)
+
+
+def _tc_tiling(kernel):
+    """The tensor-core tiling for ``kernel="tc"``, None for "simt"."""
+    if kernel not in KERNELS:
+        raise ValueError(f"`kernel` must be one of {', '.join(map(repr, KERNELS))} or None, "
+                         f"got {kernel!r}")
+    return _sources.get_flash_tc_tiling() if kernel == "tc" else None
 
 
 def _check_tile_size(tile_size) -> int:
@@ -140,7 +162,7 @@ class _FlashPlan:
     """Everything one configuration of :func:`santa_flash` needs, resolved once."""
 
     def __init__(self, inp, budget, sampler, tile_size, softmax_scale, num_chunks, config,
-                 in_kernel=True):
+                 in_kernel=True, tiling=None):
         S = val.check_budget("budget", budget)
         if S > 2**30:  # int32 draw counters in the kernel, with room for loop strides
             raise ValueError(f"`budget` must be at most 2**30 on the GPU, got {S}")
@@ -157,15 +179,27 @@ class _FlashPlan:
         # chunk_len: a multiple of the sampling tile, so no tile straddles two chunks (the
         # warps of a CTA own whole tiles).
         align = ts
-        self.threads = config.threads
         gm = group_max(s.group)
-        smem = config.smem_bytes(_FAMILY, s.head_dim, gm, ts)
-        with _inputs.device_scope(self.device):
+        if tiling is None:
+            family, self.threads = _FAMILY, config.threads
+            smem = config.smem_bytes(_FAMILY, s.head_dim, gm, ts)
             name = f"santa_flash_chunk<{ctype}, {s.head_dim}, {gm}>"
-            chunk = _module.launcher(_FAMILY, name, smem, config)
-            chunks, chunk_len = _module.split_tokens(_FAMILY, name, smem, config,
-                                                     s.batch * s.kv_heads, s.tokens, align, num_chunks)
-            self.split = _module.ChunkMerge(_FAMILY, ctype, config, s.batch * s.q_heads, chunks,
+        else:
+            family, self.threads = _FAMILY_TC, tiling.threads
+            smem = _sources.flash_tc_smem_bytes(tiling, s.head_dim, gm, ts)
+            if smem > _sources.smem_limit():
+                raise ValueError(f"`tile_size` {ts} with kernel='tc' (tiling {tiling.label()}, "
+                                 f"head_dim {s.head_dim}, {gm} heads per group) needs {smem} "
+                                 f"bytes of shared memory per CTA, more than the "
+                                 f"{_sources.smem_limit()} available: use a smaller tile_size")
+            name = (f"santa_flash_tc_chunk<{ctype}, {s.head_dim}, {gm}, "
+                    f"{tiling.template_args()}>")
+        with _inputs.device_scope(self.device):
+            chunk = _module.launcher(family, name, smem, config)
+            chunks, chunk_len = _module.split_tokens(family, name, smem, config,
+                                                     s.batch * s.kv_heads, s.tokens, align, num_chunks,
+                                                     threads=self.threads)
+            self.split = _module.ChunkMerge(family, ctype, config, s.batch * s.q_heads, chunks,
                                             s.head_dim, s.batch * s.kv_heads, in_kernel) \
                 if chunks > 1 else None
         self.chunks, self.chunk_len = chunks, chunk_len

@@ -182,9 +182,10 @@ __device__ __forceinline__ void write_empty_group(int G, long long head0, T* __r
 
 // Merge the per-thread states (m, l, acc) of the CTA and write the G heads' result:
 // row groups of a warp by shuffles, then warps through shared memory (`smem`, at least
-// (2 + D) * kWarps * GMAX floats; every thread must be done with it: the caller syncs
-// before). The order of the sums is fixed, so the result is deterministic.
-template <typename T, int D, int GMAX>
+// (2 + D) * WARPS * GMAX floats; every thread must be done with it: the caller syncs
+// before). The order of the sums is fixed, so the result is deterministic. WARPS and
+// THREADS: the CTA's shape (the tiling macros' by default).
+template <typename T, int D, int GMAX, int WARPS = kWarps, int THREADS = kThreads>
 __device__ __forceinline__ void finish_group_state(float (&m)[GMAX], float (&l)[GMAX],
                                                    float (&acc)[GMAX][8], int G,
                                                    unsigned char* smem, long long head0,
@@ -218,9 +219,9 @@ __device__ __forceinline__ void finish_group_state(float (&m)[GMAX], float (&l)[
     }
   }
 
-  float* sm_m = reinterpret_cast<float*>(smem);   // [kWarps][GMAX]
-  float* sm_l = sm_m + kWarps * GMAX;             // [kWarps][GMAX]
-  float* sm_acc = sm_l + kWarps * GMAX;           // [kWarps][GMAX][D]
+  float* sm_m = reinterpret_cast<float*>(smem);   // [WARPS][GMAX]
+  float* sm_l = sm_m + WARPS * GMAX;              // [WARPS][GMAX]
+  float* sm_acc = sm_l + WARPS * GMAX;            // [WARPS][GMAX][D]
   if (lane < LPR) {  // row group 0 of each warp now holds the warp's merged state
 #pragma unroll
     for (int g = 0; g < GMAX; ++g) {
@@ -235,7 +236,8 @@ __device__ __forceinline__ void finish_group_state(float (&m)[GMAX], float (&l)[
     }
   }
   __syncthreads();
-  combine_warps_and_write<T, D, GMAX>(smem, G, head0, out, part_o, part_ml, num_chunks, chunk);
+  combine_warps_and_write<T, D, GMAX, WARPS, THREADS>(smem, G, head0, out, part_o, part_ml,
+                                                     num_chunks, chunk);
 }
 
 }  // namespace stochattn

@@ -12,6 +12,10 @@
 - draws and tile statistics do not depend on the chunk split; outputs only by rounding;
 - unbiasedness: tests/stats.assert_unbiased over many independent Philox rows
   (false-failure rate 1e-6 per call, stated there).
+
+Every test runs for both kernels of step 1 (the ``kernel`` fixture: "simt", the CUDA-core
+logits, and "tc", santa_flash_tc.cu's tensor-core logits, set as the wrapper's default);
+``test_flash_tc_equals_simt`` compares the two directly.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
+from stochattn.cuda import flash as flash_mod  # noqa: E402
 from stochattn.cuda.flash import flash_diagnostics, santa_flash  # noqa: E402
 from stochattn.reference import santa as ref_santa  # noqa: E402
 from stochattn.reference.common import kv_head_of, lengths, logits  # noqa: E402
@@ -35,6 +40,13 @@ from gpu_helpers import peaked_inputs, to_device, to_host, to_host64  # noqa: E4
 pytestmark = pytest.mark.gpu
 
 _EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7}  # one ulp at 1.0 of the output dtype
+
+
+@pytest.fixture(autouse=True, params=flash_mod.KERNELS)
+def kernel(request, monkeypatch):
+    """Run every test of this module with each step-1 kernel as santa_flash's default."""
+    monkeypatch.setattr(flash_mod, "DEFAULT_KERNEL", request.param)
+    return request.param
 
 
 def _ref_flash_indices(x, lens, sampler, S, tile_size, *, seed, offset):
@@ -216,6 +228,33 @@ def test_flash_matches_flash_estimate(dtype, sampler):
     err = np.abs(r["out"] - ref_out)[heads].max()
     err_naive = np.abs(naive - ref_out)[heads].max()
     assert err <= 2 * err_naive + 1e-5, f"kernel error {err:.3g} vs naive {err_naive:.3g}"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("D,G,tile_size", [(128, 4, 64), (64, 8, 32), (128, 3, 256)])
+def test_flash_tc_equals_simt(dtype, D, G, tile_size):
+    """The two step-1 kernels on the same inputs and seed: the draws agree on >= 99.9% (their
+    logits differ by fp32 rounding only, so a draw can move only at a CDF boundary), the
+    tile maxima to fp32 rounding of the logits, the tile sums to 1e-4 relative, and the
+    outputs of heads whose draws all agree to two roundings of the output dtype."""
+    B, Hkv, N = 2, 2, 5000
+    q, k, v = peaked_inputs(B, Hkv, G, N, D, seed=D + G)
+    qd, kd, vd = (to_device(a, dtype) for a in (q, k, v))
+    lens = np.asarray([N, 2345], dtype=np.int32)
+    res = {}
+    for kern in flash_mod.KERNELS:
+        out, idx, st = santa_flash(qd, kd, vd, lens, budget=700, tile_size=tile_size, seed=11,
+                                   return_indices=True, return_tile_stats=True, kernel=kern)
+        res[kern] = (to_host64(out), to_host(idx), [to_host(a) for a in st])
+    (o_s, j_s, st_s), (o_t, j_t, st_t) = res["simt"], res["tc"]
+    assert (j_s == j_t).mean() >= 0.999
+    np.testing.assert_array_equal(st_s[2], st_t[2])  # S_t
+    finite = np.isfinite(st_s[0])
+    np.testing.assert_array_equal(finite, np.isfinite(st_t[0]))
+    np.testing.assert_allclose(st_t[0][finite], st_s[0][finite], rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(st_t[1], st_s[1], rtol=1e-4, atol=0)
+    same = (j_s == j_t).all(axis=-1)
+    np.testing.assert_allclose(o_t[same], o_s[same], rtol=2 * _EPS[dtype], atol=1e-4)
 
 
 def test_flash_chunks_agree():

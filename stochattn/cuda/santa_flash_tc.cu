@@ -1,0 +1,155 @@
+// S²ANTA-flash with its logits on the tensor cores: the estimator, draws, optional outputs,
+// chunking and merge of santa_flash_chunk (santa_flash.cu, whose comment says what each
+// step computes); only step 1 differs.
+//
+// santa_flash_tc_chunk<T, D, GMAX, WARPS, ROWS, STAGES>: grid (num_chunks, Hkv, B) and
+// chunk_len a multiple of tile_size, as santa_flash_chunk; WARPS warps per CTA, each owning
+// whole sampling tiles of the chunk (tiles warp, warp + WARPS, ...). Step 1 of a tile: its
+// TS / ROWS pieces of ROWS keys stream through the warp's own STAGES-slot cp.async ring of
+// XOR-swizzled tiles (tc_common.cuh, as santa_prop_logits_tc), and mma.sync m16n8k16 with
+// the GQA group's query heads as the M rows (fp32 accumulation) gives lane (grp, tig) the
+// logits of head grp at keys 8 t + 2 tig + {0, 1} of the piece, which it scales, masks (-inf
+// at or past `end`) and stores into xs. Then steps 2-4 (flash_tile_epilogue) and the end
+// (finish_group_state, the in-kernel or launched merge) are santa_flash_chunk's code.
+//
+// The logits differ from the CUDA-core kernel's only by fp32 rounding (another order of
+// the q.k products): the draws equal the reference's up to CDF-boundary rounding, as there.
+//
+// Shared memory per warp (dynamic; the host mirrors it in _sources.flash_tc_smem_bytes):
+// the ring, STAGES * ROWS * D * 2 bytes; xs [GMAX][TS + 8] fp32 (rows padded by 8 floats,
+// so the 8 heads' lanes store to different banks); cnt [GMAX][TS] int32 (zero between
+// tiles); list [TS] int32. After the loop the CTA's shared memory holds the merge buffers.
+#include "santa_flash.cu"
+#include "tc_common.cuh"
+
+using namespace stochattn;
+
+template <typename T, int D, int GMAX, int WARPS, int ROWS, int STAGES>
+__global__ void __launch_bounds__(WARPS * 32)
+santa_flash_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                     const int* __restrict__ seq_lens, T* __restrict__ out,
+                     float* __restrict__ part_o, float* __restrict__ part_ml,
+                     int* __restrict__ counters, long long* __restrict__ idx_out,
+                     float* __restrict__ tile_m_out, float* __restrict__ tile_l_out,
+                     int* __restrict__ samples_out, int Hkv, int G, long long N,
+                     long long chunk_len, int num_chunks, int tile_size, long long n_tiles,
+                     long long idx_stride, int S, int sampler, float scale,
+                     unsigned long long seed, unsigned offset) {
+  static_assert(D == 64 || D == 128, "head_dim must be 64 or 128");
+  static_assert(ROWS == 16 || ROWS == 32, "ROWS must divide the smallest sampling tile (32)");
+  static_assert(STAGES >= 2 && STAGES <= 8, "STAGES must be in [2, 8]");
+  static_assert(GMAX <= 8, "the mma's M rows 0..7 hold at most 8 query heads");
+  constexpr int THREADS = WARPS * 32;
+  constexpr int NT = ROWS / 8;  // n8 tiles of keys per piece
+  constexpr int kTileBytes = ROWS * D * 2;
+
+  const int chunk = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int Hq = Hkv * G;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int grp = lane >> 2, tig = lane & 3;
+  const int TS = tile_size;
+  const int XS = TS + 8;                        // padded row of xs
+  const int tile_shift = __ffs(TS) - 1;         // TS is a power of two
+  const int spt_shift = tile_shift - __ffs(ROWS) + 1;  // log2(TS / ROWS): pieces per tile
+
+  const long long len = sequence_length(seq_lens, b, N);
+  const long long start = (long long)chunk * chunk_len;
+  const long long end = min(start + chunk_len, len);
+  const long long head0 = (long long)b * Hq + (long long)kvh * G;  // first query head row
+  const long long seq_tiles = (len + TS - 1) / TS;                   // T_L
+  const int St = seq_tiles > 0 ? (int)(((long long)S + seq_tiles - 1) / seq_tiles) : 0;
+
+  flash_bookkeeping<THREADS>(idx_out, tile_m_out, tile_l_out, samples_out, b, kvh, chunk, G,
+                             head0, start, chunk_len, TS, seq_tiles, n_tiles, idx_stride, St);
+
+  if (start >= end) {  // nothing in this chunk (past seq_lens[b], or an empty sequence)
+    write_empty_group<T, D, THREADS>(G, head0, out, part_o, part_ml, num_chunks, chunk);
+    if (counters)
+      merge_if_last_chunk<T, D, THREADS>(counters, (long long)b * Hkv + kvh, G, head0, part_o,
+                                         part_ml, out, num_chunks);
+    return;
+  }
+
+  // This warp's shared memory (layout above).
+  unsigned char* smem = dynamic_smem();
+  unsigned char* ring =
+      smem + (long long)warp * (STAGES * kTileBytes + TS * (8 * GMAX + 4) + 32 * GMAX);
+  float* xs = reinterpret_cast<float*>(ring + STAGES * kTileBytes);  // [GMAX][XS]
+  int* cnt = reinterpret_cast<int*>(xs + GMAX * XS);                  // [GMAX][TS]
+  int* list = cnt + GMAX * TS;                                        // [TS]
+  for (int i = lane; i < GMAX * TS; i += 32) cnt[i] = 0;
+  const unsigned ring_s = static_cast<unsigned>(__cvta_generic_to_shared(ring));
+
+  unsigned qa[D / 16][2];
+  tc::load_query_frags<T, D>(qa, q, head0, G, grp, tig);
+
+  const long long stream_off = ((long long)b * Hkv + kvh) * N * D;  // 64-bit element offset
+  const unsigned char* kbase = reinterpret_cast<const unsigned char*>(k + stream_off);
+  const T* vstream = v + stream_off;
+
+  // The warp's pieces: piece i is piece i % SPT of the warp's (i / SPT)-th tile.
+  const long long chunk_tiles = (end - start + TS - 1) / TS;
+  const int my_tiles = chunk_tiles > warp ? (int)((chunk_tiles - warp + WARPS - 1) / WARPS) : 0;
+  const long long my_pieces = (long long)my_tiles << spt_shift;
+  const long long spt_mask = (1ll << spt_shift) - 1;
+  auto piece_row0 = [&](long long i) {
+    return start + (((i >> spt_shift) * WARPS + warp) << tile_shift) + (i & spt_mask) * ROWS;
+  };
+  auto load = [&](int slot, long long i) {
+    tc::load_rows<D, ROWS>(ring + slot * kTileBytes, kbase, piece_row0(i), end, lane);
+  };
+  tc::ring_prologue<STAGES>(my_pieces, load);
+
+  // Running state per head (log2 units), equal on every lane; acc: this lane's 8 features of
+  // the V rows its row group gathered, relative to exp2(M) (santa_flash_chunk's layout).
+  float M[GMAX], L[GMAX], acc[GMAX][8];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    M[g] = STOCHATTN_NEG_INF;
+    L[g] = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[g][e] = 0.f;
+  }
+
+  tc::RingSlots<STAGES> slots;
+  long long i = 0;
+  for (int j = 0; j < my_tiles; ++j) {
+    const long long tok0 = start + (((long long)j * WARPS + warp) << tile_shift);  // < end
+
+    // ---- 1. logits of the tile's rows into xs (-inf at or past `end`) ----
+    for (int ss = 0; ss < (1 << spt_shift); ++ss, ++i) {
+      const unsigned sk = ring_s + tc::ring_step<STAGES>(i, my_pieces, slots, load) * kTileBytes;
+      const long long row0 = tok0 + ss * ROWS;
+      float x[NT][2];
+      tc::tile_logits<T, D, ROWS>(x, sk, qa, lane);
+      if (grp < G) {
+        float* xr = xs + grp * XS + ss * ROWS + 2 * tig;  // 8-byte aligned: XS, ROWS even
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          const long long r = row0 + 8 * t + 2 * tig;
+          *reinterpret_cast<float2*>(xr + 8 * t) =
+              make_float2(r < end ? x[t][0] * scale : STOCHATTN_NEG_INF,
+                          r + 1 < end ? x[t][1] * scale : STOCHATTN_NEG_INF);
+        }
+      }
+    }
+    __syncwarp();  // the tile's logits are visible to every lane
+
+    const long long t = (start >> tile_shift) + (long long)j * WARPS + warp;  // the Philox stream
+    flash_tile_epilogue<T, D, GMAX>(xs, XS, cnt, list, TS, G, tok0, t, head0, n_tiles,
+                                    tile_m_out, tile_l_out, idx_out, idx_stride, St, sampler,
+                                    seed, offset, vstream, lane, M, L, acc);
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // every warp left the loop: the shared memory becomes the merge buffer
+
+  // finish_group_state merges the row groups by summing l: one row group carries the warp's L.
+  float l[GMAX];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) l[g] = lane < D / 8 ? L[g] : 0.f;
+  finish_group_state<T, D, GMAX, WARPS, THREADS>(M, l, acc, G, smem, head0, out, part_o, part_ml,
+                                                 num_chunks, chunk);
+  if (counters)
+    merge_if_last_chunk<T, D, THREADS>(counters, (long long)b * Hkv + kvh, G, head0, part_o,
+                                       part_ml, out, num_chunks);
+}
