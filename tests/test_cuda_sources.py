@@ -270,3 +270,12 @@ def test_compile_check_returns_the_cubin(backend):
     assert "registers" in result.log  # the -Xptxas=-v given reached ptxas
     bad = _sources.compile_check("__global__ void k() { x; }", ["k"], backend=backend, cubin=True)
     assert not bad.ok and bad.cubin is None
+
+
+@pytest.mark.parametrize("backend", _BACKENDS[:1] or _backend_params())
+def test_bench_read_floor_kernel_compiles(backend):
+    """bench/read_floor.py's read-only kernel compiles for sm_90 (it runs only on the GPU)."""
+    from bench.read_floor import _SOURCE
+
+    result = _sources.compile_check(_SOURCE, ["read_only"], backend=backend, options=("-std=c++17",))
+    assert result.ok, result.log
