@@ -11,8 +11,8 @@
 #   bash bench/pending_gpu.sh read-floor      # bench/read_floor.py: what one read-only launch takes
 #   bash bench/pending_gpu.sh revisions       # compare_revisions (carry bench/revs, made here by
 #                                             #   python3 bench/compare_revisions.py prepare ...)
-#   bash bench/pending_gpu.sh kmeans-patch    # bench/results/kmeans_assign_interleaved_2026-12-05.patch
-#                                             #   timed against the landed kernel, 32k and 128k
+#   bash bench/pending_gpu.sh kmeans-patch labels  # bench/results/kmeans_assign_*_2026-12-05.patch
+#   bash bench/pending_gpu.sh kmeans-patch both    #   timed against the landed kernel, 32k and 128k
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=".:${PYTHONPATH:-}"
@@ -43,20 +43,25 @@ case "$step" in
     python3 bench/compare_revisions.py time --json "$out/revisions.json" 2>&1 \
       | tee "$out/revisions.log" ;;
   kmeans-patch)
-    python3 bench/tune_kmeans.py --help >/dev/null || exit 1
+    # VARIANT=labels: the old labels loaded with the row norms (label_prefetch patch);
+    # VARIANT=both: that and the interleaved row reductions (interleaved patch on top).
+    variant="${2:-labels}"
+    patches=bench/results/kmeans_assign_label_prefetch_2026-12-05.patch
+    [ "$variant" = both ] && patches="$patches bench/results/kmeans_assign_interleaved_2026-12-05.patch"
     for ctx in 32768 131072; do
-      python3 bench/tune_kmeans.py --tokens "$ctx" --clusters $((ctx / 32)) --geometries 4x1 2>&1 | tail -3 \
-        | sed "s/^/landed $ctx: /" | tee -a "$out/kmeans_patch.log"
+      python3 bench/tune_kmeans.py --tokens "$ctx" --clusters $((ctx / 32)) --geometries 4x1 2>&1 \
+        | tail -2 | sed "s/^/landed $ctx: /" | tee -a "$out/kmeans_patch_$variant.log"
     done
-    P=bench/results/kmeans_assign_interleaved_2026-12-05.patch
-    git apply "$P" 2>/dev/null || patch -p1 < "$P" || exit 1
-    python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_kmeans.py 2>&1 | tail -3 \
-      | tee -a "$out/kmeans_patch.log"
+    for P in $patches; do git apply "$P" 2>/dev/null || patch -p1 < "$P" || exit 1; done
+    python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_kmeans.py 2>&1 | tail -2 \
+      | tee -a "$out/kmeans_patch_$variant.log"
     for ctx in 32768 131072; do
-      python3 bench/tune_kmeans.py --tokens "$ctx" --clusters $((ctx / 32)) --geometries 4x1 2>&1 | tail -3 \
-        | sed "s/^/patched $ctx: /" | tee -a "$out/kmeans_patch.log"
+      python3 bench/tune_kmeans.py --tokens "$ctx" --clusters $((ctx / 32)) --geometries 4x1 2>&1 \
+        | tail -2 | sed "s/^/$variant $ctx: /" | tee -a "$out/kmeans_patch_$variant.log"
     done
-    git apply -R "$P" 2>/dev/null || patch -R -p1 < "$P" ;;
+    for P in $(echo $patches | tr ' ' '\n' | tac); do
+      git apply -R "$P" 2>/dev/null || patch -R -p1 < "$P"
+    done ;;
   *)
     echo "unknown step $step" >&2
     exit 2 ;;
