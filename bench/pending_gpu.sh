@@ -29,7 +29,7 @@ case "$step" in
       -k "seq_lens or shorter or in_kernel_merge or tc_equals or 64bit" 2>&1 | tail -40 \
       | tee "$out/flash_sanitize.log" ;;
   flash-tune)
-    python3 bench/tune_flash.py --cases 8:32768,8:131072,32:32768,1:32768 --tiles 64 \
+    python3 bench/tune_flash.py --cases 8:32768,8:131072,32:32768,1:32768 --tiles 64,128 \
       --budgets 256,2048 --kernels simt,tc --tc-tilings all --json "$out/tune_flash.json" \
       2>&1 | tee "$out/tune_flash.log" ;;
   decode-tests)

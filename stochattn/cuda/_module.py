@@ -16,7 +16,7 @@ import numpy as np
 from . import _sources
 
 __all__ = ["get_kernel", "Launcher", "Packed", "ctas_per_sm", "num_sms", "choose_chunks",
-           "split_tokens"]
+           "split_tokens", "split_kv"]
 
 _lock = threading.Lock()
 _modules: dict = {}  # (family, device id, options, dtypes) -> cupy.RawModule
@@ -241,6 +241,20 @@ class ChunkMerge:
         """The merge launch, when the chunk kernel does not merge."""
         if self.merge is not None:
             self.merge(stream, po, pml, outp)
+
+
+def split_kv(family: str, name: str, smem: int, config, shape, ctype: str, align: int,
+             num_chunks, threads: int, in_kernel: bool):
+    """A split-KV chunk kernel over the (sequence, KV head) groups of ``shape`` (an
+    ``_inputs`` shape): ``(launcher, chunks, chunk_len, merge)``, the :class:`ChunkMerge` of
+    its partials being None when one chunk writes the output itself."""
+    chunk = launcher(family, name, smem, config)
+    groups = shape.batch * shape.kv_heads
+    chunks, chunk_len = split_tokens(family, name, smem, config, groups, shape.tokens, align,
+                                     num_chunks, threads=threads)
+    merge = ChunkMerge(family, ctype, config, shape.batch * shape.q_heads, chunks, shape.head_dim,
+                       groups, in_kernel) if chunks > 1 else None
+    return chunk, chunks, chunk_len, merge
 
 
 def _align(nbytes: int, to: int = 256) -> int:

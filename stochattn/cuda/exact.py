@@ -117,13 +117,8 @@ class _ExactPlan:
             align, self.threads = tiling.align(), tiling.threads
             smem = tiling.smem_bytes(s.head_dim)
         with _inputs.device_scope(self.device):
-            chunk = _module.launcher(family, name, smem, config)
-            chunks, chunk_len = _module.split_tokens(family, name, smem, config,
-                                                     s.batch * s.kv_heads, s.tokens, align, num_chunks,
-                                                     threads=self.threads)
-            self.split = _module.ChunkMerge(family, ctype, config, s.batch * s.q_heads, chunks,
-                                            s.head_dim, s.batch * s.kv_heads, in_kernel) \
-                if chunks > 1 else None
+            chunk, chunks, chunk_len, self.split = _module.split_kv(
+                family, name, smem, config, s, ctype, align, num_chunks, self.threads, in_kernel)
         self.chunks, self.chunk_len = chunks, chunk_len
         self.out_shape = (s.batch, s.q_heads, s.head_dim)
         tail = (np.int32(s.kv_heads), np.int32(s.group), np.int64(s.tokens), np.int64(chunk_len),

@@ -317,32 +317,62 @@ __device__ __forceinline__ void flash_tile_epilogue(
   __syncwarp();  // counts zero and list free before the next tile's draws
 }
 
-// The optional outputs that do not depend on the keys, written before any early return:
-// S_t per sequence, -1 in the index slots past T_L * S_t, and (m, l) = (-inf, 0) for the
-// tiles of this chunk's range that lie past the sequence.
-template <int THREADS>
-__device__ __forceinline__ void flash_bookkeeping(
-    long long* __restrict__ idx_out, float* __restrict__ tile_m_out,
-    float* __restrict__ tile_l_out, int* __restrict__ samples_out, int b, int kvh, int chunk,
-    int G, long long head0, long long start, long long chunk_len, int TS, long long seq_tiles,
-    long long n_tiles, long long idx_stride, int St) {
+// The token range of a flash chunk CTA (grid (num_chunks, Hkv, B)): [start, end) of
+// sequence b, the first query head row of its group, T_L and S_t = ceil(S / T_L) (the draws
+// of every tile of the sequence, 0 when empty).
+struct FlashChunk {
+  long long start, end, head0, seq_tiles;
+  int St;
+};
+
+__device__ __forceinline__ FlashChunk flash_chunk(const int* __restrict__ seq_lens, int Hkv, int G,
+                                                  long long N, long long chunk_len, int TS, int S) {
+  FlashChunk fc;
+  const long long len = sequence_length(seq_lens, blockIdx.z, N);
+  fc.start = (long long)blockIdx.x * chunk_len;
+  fc.end = min(fc.start + chunk_len, len);
+  fc.head0 = ((long long)blockIdx.z * Hkv + blockIdx.y) * G;
+  fc.seq_tiles = (len + TS - 1) / TS;  // T_L
+  fc.St = fc.seq_tiles > 0 ? (int)(((long long)S + fc.seq_tiles - 1) / fc.seq_tiles) : 0;
+  return fc;
+}
+
+// What a flash chunk CTA writes before it reads a key: S_t per sequence, -1 in the index
+// slots past T_L * S_t, and (m, l) = (-inf, 0) for the tiles of its range past the
+// sequence; a chunk with nothing to read (past seq_lens[b], or an empty sequence) also
+// writes its empty partial, takes part in the in-kernel merge and returns true (the caller
+// returns).
+template <typename T, int D, int THREADS>
+__device__ __forceinline__ bool flash_chunk_outputs(
+    const FlashChunk& fc, T* __restrict__ out, float* __restrict__ part_o,
+    float* __restrict__ part_ml, int* __restrict__ counters, long long* __restrict__ idx_out,
+    float* __restrict__ tile_m_out, float* __restrict__ tile_l_out, int* __restrict__ samples_out,
+    int Hkv, int G, long long chunk_len, int num_chunks, int TS, long long n_tiles,
+    long long idx_stride) {
+  const int chunk = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x;
-  if (samples_out && chunk == 0 && kvh == 0 && tid == 0) samples_out[b] = St;
+  if (samples_out && chunk == 0 && kvh == 0 && tid == 0) samples_out[b] = fc.St;
   if (idx_out && chunk == 0) {  // unused slots: T_L * S_t <= S + T_L - 1 <= idx_stride
-    const long long used = seq_tiles * (long long)St;
+    const long long used = fc.seq_tiles * (long long)fc.St;
     for (int g = 0; g < G; ++g)
       for (long long i = used + tid; i < idx_stride; i += THREADS)
-        idx_out[(head0 + g) * idx_stride + i] = -1;
+        idx_out[(fc.head0 + g) * idx_stride + i] = -1;
   }
   if (tile_m_out) {  // tiles of this chunk's range that lie past the sequence
-    const long long t_lo = max(start / TS, seq_tiles);
-    const long long t_hi = min((start + chunk_len) / TS, n_tiles);
+    const long long t_lo = max(fc.start / TS, fc.seq_tiles);
+    const long long t_hi = min((fc.start + chunk_len) / TS, n_tiles);
     for (int g = 0; g < G; ++g)
       for (long long t = t_lo + tid; t < t_hi; t += THREADS) {
-        tile_m_out[(head0 + g) * n_tiles + t] = STOCHATTN_NEG_INF;
-        tile_l_out[(head0 + g) * n_tiles + t] = 0.f;
+        tile_m_out[(fc.head0 + g) * n_tiles + t] = STOCHATTN_NEG_INF;
+        tile_l_out[(fc.head0 + g) * n_tiles + t] = 0.f;
       }
   }
+  if (fc.start < fc.end) return false;
+  write_empty_group<T, D, THREADS>(G, fc.head0, out, part_o, part_ml, num_chunks, chunk);
+  if (counters)
+    merge_if_last_chunk<T, D, THREADS>(counters, (long long)b * Hkv + kvh, G, fc.head0, part_o,
+                                       part_ml, out, num_chunks);
+  return true;
 }
 
 // Occupancy (H200, tile 64): 3 CTAs of 4 warps per SM for GMAX = 4 (164 registers; forcing
@@ -365,31 +395,19 @@ santa_flash_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __r
   constexpr int WSB = W::kStageBytes;
 
   const int chunk = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
-  const int Hq = Hkv * G;
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32;
   const int lr = lane % LPR, rg = lane / LPR;  // row group inside the warp
   const int TS = tile_size;
   const int tile_shift = __ffs(TS) - 1;  // TS is a power of two
 
-  const long long len = sequence_length(seq_lens, b, N);
-  const long long start = (long long)chunk * chunk_len;
-  const long long end = min(start + chunk_len, len);
-  const long long head0 = (long long)b * Hq + (long long)kvh * G;  // first query head row
-  const long long seq_tiles = (len + TS - 1) / TS;                   // T_L
-  // S_t = ceil(S / T_L) <= S: the draws of every tile of this sequence (0 when empty).
-  const int St = seq_tiles > 0 ? (int)(((long long)S + seq_tiles - 1) / seq_tiles) : 0;
-
-  flash_bookkeeping<kThreads>(idx_out, tile_m_out, tile_l_out, samples_out, b, kvh, chunk, G,
-                              head0, start, chunk_len, TS, seq_tiles, n_tiles, idx_stride, St);
-
-  if (start >= end) {  // nothing in this chunk (past seq_lens[b], or an empty sequence)
-    write_empty_group<T, D>(G, head0, out, part_o, part_ml, num_chunks, chunk);
-    if (counters)
-      merge_if_last_chunk<T, D>(counters, (long long)b * Hkv + kvh, G, head0, part_o, part_ml, out,
-                                num_chunks);
-    return;
-  }
+  const FlashChunk fc = flash_chunk(seq_lens, Hkv, G, N, chunk_len, TS, S);
+  const long long start = fc.start, end = fc.end, head0 = fc.head0;
+  const int St = fc.St;
+  if (flash_chunk_outputs<T, D, kThreads>(fc, out, part_o, part_ml, counters, idx_out, tile_m_out,
+                                          tile_l_out, samples_out, Hkv, G, chunk_len, num_chunks,
+                                          TS, n_tiles, idx_stride))
+    return;  // nothing in this chunk: its empty partial is written
 
   // This warp's shared memory (layout above).
   unsigned char* smem = dynamic_smem();

@@ -35,16 +35,13 @@ santa_flash_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      long long chunk_len, int num_chunks, int tile_size, long long n_tiles,
                      long long idx_stride, int S, int sampler, float scale,
                      unsigned long long seed, unsigned offset) {
-  static_assert(D == 64 || D == 128, "head_dim must be 64 or 128");
-  static_assert(ROWS == 16 || ROWS == 32, "ROWS must divide the smallest sampling tile (32)");
-  static_assert(STAGES >= 2 && STAGES <= 8, "STAGES must be in [2, 8]");
   static_assert(GMAX <= 8, "the mma's M rows 0..7 hold at most 8 query heads");
+  using Shape = tc::KPieces<D, ROWS, STAGES>;
   constexpr int THREADS = WARPS * 32;
-  constexpr int NT = ROWS / 8;  // n8 tiles of keys per piece
-  constexpr int kTileBytes = ROWS * D * 2;
+  constexpr int NT = Shape::kNT;  // n8 tiles of keys per piece
+  constexpr int kTileBytes = Shape::kTileBytes;
 
   const int chunk = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
-  const int Hq = Hkv * G;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int grp = lane >> 2, tig = lane & 3;
   const int TS = tile_size;
@@ -52,23 +49,13 @@ santa_flash_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* 
   const int tile_shift = __ffs(TS) - 1;         // TS is a power of two
   const int spt_shift = tile_shift - __ffs(ROWS) + 1;  // log2(TS / ROWS): pieces per tile
 
-  const long long len = sequence_length(seq_lens, b, N);
-  const long long start = (long long)chunk * chunk_len;
-  const long long end = min(start + chunk_len, len);
-  const long long head0 = (long long)b * Hq + (long long)kvh * G;  // first query head row
-  const long long seq_tiles = (len + TS - 1) / TS;                   // T_L
-  const int St = seq_tiles > 0 ? (int)(((long long)S + seq_tiles - 1) / seq_tiles) : 0;
-
-  flash_bookkeeping<THREADS>(idx_out, tile_m_out, tile_l_out, samples_out, b, kvh, chunk, G,
-                             head0, start, chunk_len, TS, seq_tiles, n_tiles, idx_stride, St);
-
-  if (start >= end) {  // nothing in this chunk (past seq_lens[b], or an empty sequence)
-    write_empty_group<T, D, THREADS>(G, head0, out, part_o, part_ml, num_chunks, chunk);
-    if (counters)
-      merge_if_last_chunk<T, D, THREADS>(counters, (long long)b * Hkv + kvh, G, head0, part_o,
-                                         part_ml, out, num_chunks);
-    return;
-  }
+  const FlashChunk fc = flash_chunk(seq_lens, Hkv, G, N, chunk_len, TS, S);
+  const long long start = fc.start, end = fc.end, head0 = fc.head0;
+  const int St = fc.St;
+  if (flash_chunk_outputs<T, D, THREADS>(fc, out, part_o, part_ml, counters, idx_out, tile_m_out,
+                                         tile_l_out, samples_out, Hkv, G, chunk_len, num_chunks,
+                                         TS, n_tiles, idx_stride))
+    return;  // nothing in this chunk: its empty partial is written
 
   // This warp's shared memory (layout above).
   unsigned char* smem = dynamic_smem();

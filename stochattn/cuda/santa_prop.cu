@@ -154,11 +154,9 @@ santa_prop_logits_tc(const T* __restrict__ q, const T* __restrict__ k,
                      float* __restrict__ tile_m, float* __restrict__ tile_l, int Hkv, int G,
                      long long N, long long chunk_len, long long n_pad, long long n_tiles,
                      int tile_size, float scale) {
-  static_assert(D == 64 || D == 128, "head_dim must be 64 or 128");
-  static_assert(ROWS == 16 || ROWS == 32, "ROWS must divide the smallest tile (32)");
-  static_assert(STAGES >= 2 && STAGES <= 8, "STAGES must be in [2, 8]");
-  constexpr int NT = ROWS / 8;  // n8 tiles of keys per piece
-  constexpr int kTileBytes = ROWS * D * 2;
+  using Shape = tc::KPieces<D, ROWS, STAGES>;
+  constexpr int NT = Shape::kNT;  // n8 tiles of keys per piece
+  constexpr int kTileBytes = Shape::kTileBytes;
 
   const int chunk = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int Hq = Hkv * G;

@@ -84,6 +84,17 @@ __device__ __forceinline__ void load_rows(unsigned char* dst, const unsigned cha
   }
 }
 
+// The K-only ring of santa_prop_logits_tc and santa_flash_tc_chunk: pieces of ROWS keys
+// (kNT n8 tiles of the mma, kTileBytes bytes) in STAGES slots per warp.
+template <int D, int ROWS, int STAGES>
+struct KPieces {
+  static_assert(D == 64 || D == 128, "head_dim must be 64 or 128");
+  static_assert(ROWS == 16 || ROWS == 32, "ROWS must divide the smallest sampling tile (32)");
+  static_assert(STAGES >= 2 && STAGES <= 8, "STAGES must be in [2, 8]");
+  static constexpr int kNT = ROWS / 8;
+  static constexpr int kTileBytes = ROWS * D * 2;
+};
+
 // Query A fragments of one GQA group for S^T = Q K^T: head grp (zero for grp >= G),
 // features 16 s + 2 tig + {0, 1} (qa[s][0]) and 16 s + 8 + 2 tig + {0, 1} (qa[s][1]).
 template <typename T, int D>
