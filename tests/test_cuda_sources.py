@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from stochattn.cuda import _sources
 from stochattn.reference.rng import random_words, uniforms
-from stochattn.reference.samplers import sample_points
+from stochattn.reference.samplers import invert_cdf, sample_points
 
 _BACKENDS = [name for name, path in _sources.available_backends().items() if path]
 _NO_COMPILER = "neither nvcc on PATH nor libnvrtc (pip install nvidia-cuda-nvrtc) is available"
@@ -200,18 +200,23 @@ int main(int argc, char** argv) {
 """
 
 
-@pytest.fixture(scope="module")
-def philox_host(tmp_path_factory):
+def _host_build(tmp_path_factory, name, source):
+    """Build a host harness of the package's host-and-device headers (no CUDA needed)."""
     cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if cxx is None:
-        pytest.skip("no host C++ compiler (g++, c++ or clang++) for the host build of philox.cuh")
-    d = tmp_path_factory.mktemp("philox")
-    (d / "harness.cpp").write_text(_HARNESS)
+        pytest.skip(f"no host C++ compiler (g++, c++ or clang++) for the host build of {name}")
+    d = tmp_path_factory.mktemp(name)
+    (d / "harness.cpp").write_text(source)
     exe = d / "harness"
     subprocess.run([cxx, "-O1", "-std=c++17", f"-I{_sources.SOURCE_DIR}", "-DSTOCHATTN_HD=inline",
                     "-D__host__=", "-D__device__=", "-D__forceinline__=",
                     str(d / "harness.cpp"), "-o", str(exe)], check=True, capture_output=True)
     return str(exe)
+
+
+@pytest.fixture(scope="module")
+def philox_host(tmp_path_factory):
+    return _host_build(tmp_path_factory, "philox", _HARNESS)
 
 
 _SAMPLER_CODE = {"systematic": 0, "stratified": 1, "iid": 2}
@@ -255,6 +260,78 @@ def test_host_philox_known_answer(philox_host):
     """Philox-4x32-10 known-answer: counter 0, key 0 gives x0 = 0x6627e8d5 (Random123 KAT)."""
     words, _, _, _ = _run(philox_host, 0, 0, 0, 1, "systematic", [])
     assert int(words[0]) == 0x6627E8D5
+
+
+# ---- host build of flash_sampling.cuh: a flash tile's points and their rows --------------
+
+_FLASH_HARNESS = r"""
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+#include "flash_sampling.cuh"
+using namespace stochattn;
+// argv: seed offset row t n sampler; stdin: TS, the TS fp32 CDF values, then points (hex).
+int main(int argc, char** argv) {
+  unsigned long long seed = strtoull(argv[1], 0, 10);
+  unsigned offset = (unsigned)strtoul(argv[2], 0, 10);
+  unsigned row = (unsigned)strtoul(argv[3], 0, 10);
+  unsigned t = (unsigned)strtoul(argv[4], 0, 10);
+  int n = atoi(argv[5]);
+  int sampler = atoi(argv[6]);
+  RngStream rs = RngStream::make(seed, offset, PURPOSE_VALUE_SAMPLER, row);
+  const double u0 = (double)rs.uniform(t, 0u);  // the systematic uniform (the kernel's u_mine)
+  for (int m = 0; m < n; ++m) printf("p %a\n", flash_point(rs, sampler, t, m, n, u0));
+  int TS = 0;
+  if (scanf("%d", &TS) != 1) return 0;
+  std::vector<float> cr(TS);
+  for (int i = 0; i < TS; ++i) { double c; if (scanf("%la", &c) != 1) return 1; cr[i] = (float)c; }
+  double x;
+  while (scanf("%la", &x) == 1) printf("r %d\n", flash_local_row(cr.data(), TS, x));
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def flash_host(tmp_path_factory):
+    return _host_build(tmp_path_factory, "flash_sampling", _FLASH_HARNESS)
+
+
+@settings(max_examples=25)
+@given(seed=st.integers(0, 2**64 - 1), offset=st.integers(0, 2**32 - 1), row=st.integers(0, 2**28 - 1),
+       t=st.integers(0, 2**24), n=st.integers(1, 64), sampler=st.sampled_from(["systematic", "stratified"]),
+       TS=st.sampled_from([32, 64, 128, 256]), data=st.data())
+def test_host_flash_points_and_rows_match_reference(flash_host, seed, offset, row, t, n, sampler, TS,
+                                                    data):
+    """The flash kernels' tile draws on the host: flash_point equals
+    samplers.sample_points(stream = tile) bit for bit, and flash_local_row through an fp32
+    tile CDF (zero-weight rows inside it and a flat tail past the sequence included) equals
+    samplers.invert_cdf on the weights of that CDF, for the reference's points and for
+    points exactly on, just below and just above every CDF boundary."""
+    w32 = np.asarray(data.draw(st.lists(st.floats(0.0, 1.0, width=32), min_size=TS, max_size=TS)),
+                     dtype=np.float32)
+    w32[0] = max(w32[0], np.float32(1e-3))  # the tile's first row is in the sequence
+    past = data.draw(st.integers(0, TS - 1))  # rows past the sequence: weight 0
+    if past:
+        w32[TS - past:] = 0.0
+    cr = np.cumsum(w32, dtype=np.float32)  # the kernel's sequential fp32 inclusive scan
+    w64 = np.diff(cr.astype(np.float64), prepend=0.0)  # float64 cumsum of these is cr, exactly
+    assert np.array_equal(np.cumsum(w64), cr.astype(np.float64))
+    ref_pts = sample_points(sampler, n, seed=seed, offset=offset, row=row, stream=t)
+    edges = cr.astype(np.float64) / float(cr[-1])
+    probe = np.concatenate([ref_pts, [0.0, np.nextafter(1.0, 0.0)], edges[:-1],
+                            np.nextafter(edges[:-1], 0.0), np.nextafter(edges[:-1], 1.0)])
+    probe = probe[(probe >= 0.0) & (probe < 1.0)]
+    stdin = f"{TS}\n" + "".join(f"{float(c).hex()}\n" for c in cr) + \
+        "".join(f"{float(x).hex()}\n" for x in probe)
+    out = subprocess.run([flash_host, str(seed), str(offset), str(row), str(t), str(n),
+                          str(_SAMPLER_CODE[sampler])], input=stdin, capture_output=True,
+                         text=True, check=True).stdout.split("\n")
+    pts = np.array([float.fromhex(l.split()[1]) for l in out if l.startswith("p ")])
+    rows = np.array([int(l.split()[1]) for l in out if l.startswith("r ")], dtype=np.int64)
+    np.testing.assert_array_equal(pts, ref_pts)
+    np.testing.assert_array_equal(rows, invert_cdf(w64, probe))
 
 
 @pytest.mark.parametrize("backend", _backend_params())

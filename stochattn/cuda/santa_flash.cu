@@ -55,6 +55,7 @@
 #include "decode_common.cuh"
 #include "group_state.cuh"
 #include "philox.cuh"
+#include "flash_sampling.cuh"
 // exact_decode_merge (the flash partials have its form); its chunk kernel is not instantiated.
 #include "exact_decode.cu"
 
@@ -78,28 +79,6 @@ struct WarpTiling {
                 "a warp stage must hold a whole number of rows per lane");
   static_assert(kStageRows <= 32, "a warp stage must fit in the smallest sampling tile");
 };
-
-// Row of a tile for the point T in [0, 1): the first row whose cumsum exceeds T * l_t
-// (searchsorted side="right", compared in float64 like invert_cdf), with the target clipped
-// to just below l_t = cr[tile_size - 1] so a target that rounding pushes to l_t selects the
-// first row reaching l_t (the last row of positive fp32 weight), never a zero-weight row.
-STOCHATTN_HD int flash_local_row(const float* cr, int tile_size, double point) {
-  const double cl = (double)cr[tile_size - 1];
-  const double target = fmin(fmax(point * cl, 0.0), nextafter(cl, 0.0));
-  int lo = 0, hi = tile_size - 1;  // cr[hi] = cl > target: the answer lies in [lo, hi]
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if ((double)cr[mid] > target) hi = mid; else lo = mid + 1;
-  }
-  return lo;
-}
-
-// Point m of the systematic (one uniform, draw 0) or stratified (draw m) sampler of tile
-// stream t with n points: samplers.sample_points(..., stream=t), bit for bit.
-STOCHATTN_HD double flash_point(const RngStream& rs, int sampler, unsigned t, int m, int n, double u0) {
-  const double u = sampler == SAMPLER_SYSTEMATIC ? u0 : (double)rs.uniform(t, (unsigned)m);
-  return ((double)m + u) / (double)n;
-}
 
 // Steps 2-4 of one sampling tile of a warp (the kernel comment above), after the warp
 // wrote the tile's logits into xs (head g at xs[g * XS + row], -inf past `end`; XS >= TS,
