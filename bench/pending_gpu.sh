@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# The GPU checks that sessions without a GPU left behind, one step per device call (each
-# well under the 10-minute limit), run from the repository root on the GPU machine.
-# Outputs go to $OUT (the device tool's folder) or bench/results/tmp. Remove a step once its
-# results are in docs/benchmarks.md.
+# The GPU checks that sessions without a GPU left behind, run from the repository root on the
+# GPU machine. Outputs go to $OUT (the device tool's folder) or bench/results/tmp. Remove a
+# step once its results are in docs/benchmarks.md.
 #
+# Several steps may share one device call (a fresh machine costs minutes to start and a warm
+# one is given back 30 s after a call): the steps run in the order given, each logs its
+# exit status and seconds to $out/steps.log, and a step whose estimate (EST below, guessed
+# from earlier runs of similar size) no longer fits in BUDGET_S (default 560 s, under the
+# 600 s limit of a call) is skipped and listed, to be run in the next call.
+#
+#   bash bench/pending_gpu.sh gpu-suite       # every GPU test (both flash step-1 kernels)
 #   bash bench/pending_gpu.sh flash-tests     # every flash GPU test, both step-1 kernels
 #   bash bench/pending_gpu.sh flash-sanitize  # compute-sanitizer memcheck, odd sizes, both kernels
 #   bash bench/pending_gpu.sh flash-tune      # bench/tune_flash.py: simt against every tc tiling
@@ -11,17 +17,40 @@
 #   bash bench/pending_gpu.sh read-floor      # bench/read_floor.py: what one read-only launch takes
 #   bash bench/pending_gpu.sh revisions       # compare_revisions (carry bench/revs, made here by
 #                                             #   python3 bench/compare_revisions.py prepare ...)
-#   bash bench/pending_gpu.sh kmeans-patch labels  # bench/results/kmeans_assign_*_2026-12-05.patch
-#   bash bench/pending_gpu.sh kmeans-patch both    #   timed against the landed kernel, 32k and 128k
-set -u
+#   bash bench/pending_gpu.sh kmeans-patch:labels  # bench/results/kmeans_assign_*_2026-12-05.patch
+#   bash bench/pending_gpu.sh kmeans-patch:both    #   timed against the landed kernel, 32k and 128k
+#
+# The plan for the next 30 device minutes, three calls:
+#   bash bench/pending_gpu.sh gpu-suite decode-sanitize
+#   bash bench/pending_gpu.sh flash-tune kmeans-patch:labels kmeans-patch:both
+#   bash bench/pending_gpu.sh read-floor revisions flash-sanitize
+set -u -o pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=".:${PYTHONPATH:-}"
 export NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
 out="${OUT:-bench/results/tmp}"
 mkdir -p "$out"
-step="${1:?usage: bash bench/pending_gpu.sh STEP (see the header)}"
+[ $# -ge 1 ] || { echo "usage: bash bench/pending_gpu.sh STEP... (see the header)" >&2; exit 2; }
 py="python3 -m pytest -q -p no:cacheprovider"
-case "$step" in
+budget="${BUDGET_S:-560}"
+start=$SECONDS
+
+# Estimated seconds per step (rough: from the durations of earlier GPU runs of that size).
+est() {
+  case "$1" in
+    gpu-suite) echo 330 ;; flash-tests) echo 120 ;; decode-tests) echo 150 ;;
+    decode-sanitize) echo 120 ;; flash-sanitize) echo 240 ;; flash-tune) echo 240 ;;
+    kmeans-patch:*) echo 120 ;; read-floor) echo 60 ;; revisions) echo 200 ;; *) echo 60 ;;
+  esac
+}
+
+run_step() {
+case "$1" in
+  gpu-suite)
+    $py tests/gpu --durations=15 -rs 2>&1 | tee "$out/gpu_suite.log" | tail -60 ;;
+  decode-sanitize)
+    compute-sanitizer --tool memcheck --error-exitcode 9 $py tests/gpu/test_cuda_exact.py \
+      -k "in_kernel_merge or seq_lens" 2>&1 | tail -15 | tee "$out/decode_sanitize.log" ;;
   flash-tests)
     $py tests/gpu/test_cuda_flash.py --durations=5 2>&1 | tee "$out/flash_tests.log" ;;
   flash-sanitize)
@@ -34,35 +63,60 @@ case "$step" in
       2>&1 | tee "$out/tune_flash.log" ;;
   decode-tests)
     $py tests/gpu/test_cuda_exact.py tests/gpu/test_cuda_plans.py tests/gpu/test_cuda_santa.py \
-      2>&1 | tail -15 | tee "$out/decode_tests.log"
-    compute-sanitizer --tool memcheck --error-exitcode 9 $py tests/gpu/test_cuda_exact.py \
-      -k "in_kernel_merge or seq_lens" 2>&1 | tail -15 | tee -a "$out/decode_tests.log" ;;
+      2>&1 | tail -15 | tee "$out/decode_tests.log" && run_step decode-sanitize ;;
   read-floor)
     python3 bench/read_floor.py --json "$out/read_floor.json" 2>&1 | tee "$out/read_floor.log" ;;
   revisions)
     python3 bench/compare_revisions.py time --json "$out/revisions.json" 2>&1 \
       | tee "$out/revisions.log" ;;
-  kmeans-patch)
-    # VARIANT=labels: the old labels loaded with the row norms (label_prefetch patch);
-    # VARIANT=both: that and the interleaved row reductions (interleaved patch on top).
-    variant="${2:-labels}"
+  kmeans-patch:*)
+    # labels: the old labels loaded with the row norms (label_prefetch patch);
+    # both: that and the interleaved row reductions (interleaved patch on top).
+    variant="${1#kmeans-patch:}"
     patches=bench/results/kmeans_assign_label_prefetch_2026-12-05.patch
     [ "$variant" = both ] && patches="$patches bench/results/kmeans_assign_interleaved_2026-12-05.patch"
     for ctx in 32768 131072; do
       python3 bench/tune_kmeans.py --tokens "$ctx" --clusters $((ctx / 32)) --geometries 4x1 2>&1 \
         | tail -2 | sed "s/^/landed $ctx: /" | tee -a "$out/kmeans_patch_$variant.log"
     done
-    for P in $patches; do git apply "$P" 2>/dev/null || patch -p1 < "$P" || exit 1; done
+    applied=""
+    for P in $patches; do
+      if git apply "$P" 2>/dev/null || patch -p1 < "$P"; then
+        applied="$P $applied"
+      else
+        for A in $applied; do git apply -R "$A" 2>/dev/null || patch -R -p1 < "$A"; done
+        return 1
+      fi
+    done
     python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_kmeans.py 2>&1 | tail -2 \
       | tee -a "$out/kmeans_patch_$variant.log"
     for ctx in 32768 131072; do
       python3 bench/tune_kmeans.py --tokens "$ctx" --clusters $((ctx / 32)) --geometries 4x1 2>&1 \
         | tail -2 | sed "s/^/$variant $ctx: /" | tee -a "$out/kmeans_patch_$variant.log"
     done
-    for P in $(echo $patches | tr ' ' '\n' | tac); do
-      git apply -R "$P" 2>/dev/null || patch -R -p1 < "$P"
-    done ;;
+    for A in $applied; do git apply -R "$A" 2>/dev/null || patch -R -p1 < "$A"; done ;;
   *)
-    echo "unknown step $step" >&2
-    exit 2 ;;
+    echo "unknown step $1" >&2
+    return 2 ;;
 esac
+}
+
+for step in "$@"; do
+  case "$step" in
+    gpu-suite|flash-tests|decode-tests|decode-sanitize|flash-sanitize|flash-tune|read-floor) ;;
+    revisions|kmeans-patch:labels|kmeans-patch:both) ;;
+    *) echo "unknown step $step (see the header)" >&2; exit 2 ;;
+  esac
+done
+for step in "$@"; do
+  used=$((SECONDS - start))
+  need=$(est "$step")
+  if [ $((used + need)) -gt "$budget" ]; then
+    echo "SKIPPED $step: ${used}s used, needs ~${need}s of ${budget}s" | tee -a "$out/steps.log"
+    continue
+  fi
+  t0=$SECONDS
+  run_step "$step"
+  rc=$?
+  echo "STEP $step rc=$rc $((SECONDS - t0))s (estimate ${need}s)" | tee -a "$out/steps.log"
+done
