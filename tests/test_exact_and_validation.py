@@ -341,3 +341,20 @@ def test_valid_edge_inputs_are_accepted():
     assert val.check_bool("flag", np.bool_(True)) is True
     out = exact_attention(q0, k0, v0, np.array([6], dtype=np.uint8), softmax_scale=np.float32(0.5))
     assert out.shape == q0.shape
+
+
+def test_gpu_budget_limits_are_pinned():
+    """The GPU kernels count draws in int32: budgets above 2**30 (S²ANTA-flash: 2**27, its
+    G * S_t draws of a tile share one counter) get a clear error before any launch."""
+    from stochattn.cuda import _inputs
+    from stochattn.cuda.flash import FLASH_MAX_BUDGET
+
+    assert _inputs.check_gpu_budget(2**30) == 2**30
+    assert 8 * FLASH_MAX_BUDGET + 64 <= 2**31 - 1
+    with pytest.raises(ValueError, match=r"`budget` must be at most 2\*\*30 on the GPU, got "
+                                         r"1073741825"):
+        _inputs.check_gpu_budget(2**30 + 1)
+    with pytest.raises(ValueError, match=r"`budget` must be at most 2\*\*27 on the GPU"):
+        _inputs.check_gpu_budget(FLASH_MAX_BUDGET + 1, FLASH_MAX_BUDGET)
+    with pytest.raises(ValueError, match="`budget` must be >= 1"):
+        _inputs.check_gpu_budget(0)

@@ -31,7 +31,7 @@ from . import _sources
 from ._arrays import CUPY, TORCH, host_values, launch_stream, ops_for, to_cupy
 
 __all__ = ["GPU_KERNEL_DTYPES", "Inputs", "gather", "cached_plan", "base_plan",
-           "seq_lens_pointer", "launch_args", "clear_plan_cache", "plan_cache_size", "device_scope"]
+           "seq_lens_pointer", "launch_args", "check_gpu_budget", "clear_plan_cache", "plan_cache_size", "device_scope"]
 
 GPU_KERNEL_DTYPES = ("float16", "bfloat16")
 NULL = np.uint64(0)
@@ -162,6 +162,17 @@ def base_plan(inp: Inputs, softmax_scale):
         raise ValueError(f"`k` must hold fewer than 2**31 tokens, got {shape.tokens}")
     scale = val.check_scale(softmax_scale, shape.head_dim)
     return shape, scale, devices[0], metas["q"].dtype
+
+
+def check_gpu_budget(budget, limit: int = 2**30) -> int:
+    """A sample budget S for a GPU kernel: an integer in [1, limit]. The kernels count draws
+    in int32 with room for loop strides (2**30); S²ANTA-flash spreads the G * S_t draws of a
+    tile's heads over one counter, hence its lower limit (2**27, G <= 8)."""
+    S = val.check_budget("budget", budget)
+    if S > limit:
+        raise ValueError(f"`budget` must be at most 2**{limit.bit_length() - 1} on the GPU, "
+                         f"got {S}")
+    return S
 
 
 def check_num_chunks(num_chunks):

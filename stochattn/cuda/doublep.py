@@ -104,7 +104,7 @@ def doublep_decode(q, k, v, index, *, p1=1.0, p2=1.0, clusters=None, budget=None
         raise ValueError("`return_indices` needs `budget` (only the sampled variant draws rows)")
     sample = None
     if budget is not None:
-        sample = _Sample(val.check_budget("budget", budget),
+        sample = _Sample(_inputs.check_gpu_budget(budget),
                          val.check_choice("sampler", sampler, SAMPLERS), _SAMPLE_TILE)
         seed, offset = val.check_seed_offset(seed, offset)
     inp = _inputs.gather(q, k, v)

@@ -23,6 +23,8 @@ _FAMILY_TC = "santa_flash_tc"
 KERNELS = ("simt", "tc")
 DEFAULT_KERNEL = "simt"
 _SAMPLER_CODE = {"systematic": 0, "stratified": 1, "iid": 2}  # philox.cuh: Sampler
+# At most G * S_t <= 8 * 2**27 draws per tile share one int32 counter (santa_flash.cu).
+FLASH_MAX_BUDGET = 2**27
 TILE_SIZES = (32, 64, 128, 256)  # santa_flash.cu: powers of two up to kFlashMaxTile
 
 
@@ -71,7 +73,7 @@ def santa_flash(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_si
         values are not checked (no synchronisation) unless ``check_seq_lens=True``, and the
         kernel clamps them to [0, N], so a bad value never reads outside the cache.
     budget : int
-        S, 1 <= S <= 2**30: a sequence draws T_L * S_t >= S points in all.
+        S, 1 <= S <= 2**27: a sequence draws T_L * S_t >= S points in all.
     sampler : {"systematic", "stratified", "iid"}
         How each tile's S_t points are drawn (per tile, from its own stream).
     tile_size : int
@@ -163,9 +165,7 @@ class _FlashPlan:
 
     def __init__(self, inp, budget, sampler, tile_size, softmax_scale, num_chunks, config,
                  in_kernel=True, tiling=None):
-        S = val.check_budget("budget", budget)
-        if S > 2**30:  # int32 draw counters in the kernel, with room for loop strides
-            raise ValueError(f"`budget` must be at most 2**30 on the GPU, got {S}")
+        S = _inputs.check_gpu_budget(budget, FLASH_MAX_BUDGET)
         val.check_choice("sampler", sampler, SAMPLERS)
         ts = _check_tile_size(tile_size)
         s, scale, self.device, dtype_name = _inputs.base_plan(inp, softmax_scale)

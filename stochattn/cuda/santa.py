@@ -58,7 +58,7 @@ def santa_prop(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_siz
         values are not checked (no synchronisation) unless ``check_seq_lens=True``, and the
         kernels clamp them to [0, N], so a bad value never reads outside the cache.
     budget : int
-        S >= 1 sample points per (sequence, query head).
+        S sample points per (sequence, query head), 1 <= S <= 2**30.
     sampler : {"systematic", "stratified", "iid"}
     tile_size : int
         Tokens per tile: 32, 64, 128 or 256.
@@ -201,7 +201,7 @@ class _PropPlan:
 
     def __init__(self, inp, budget, sampler, tile_size, softmax_scale, num_chunks, config, score,
                  tiling=None):
-        S = val.check_budget("budget", budget)
+        S = _inputs.check_gpu_budget(budget)
         val.check_choice("sampler", sampler, SAMPLERS)
         if not isinstance(tile_size, (int, np.integer)) or isinstance(tile_size, bool):
             raise TypeError(f"`tile_size` must be an integer, got {type(tile_size).__name__}")

@@ -155,6 +155,8 @@ def test_prop_validation_messages():
         santa_prop(q, k, k, budget=4, tile_size=48)
     with pytest.raises(ValueError, match="`budget` must be >= 1"):
         santa_prop(q, k, k, budget=0)
+    with pytest.raises(ValueError, match="`budget` must be at most 2\\*\\*30 on the GPU"):
+        santa_prop(q, k, k, budget=2**30 + 1)
     with pytest.raises(ValueError, match="`sampler` must be one of"):
         santa_prop(q, k, k, budget=4, sampler="gumbel")
     with pytest.raises(ValueError, match="`seed` must lie in"):
