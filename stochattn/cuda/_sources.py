@@ -246,7 +246,9 @@ _active_prop_tc = [PROP_TC_TILINGS[0]]
 # only, plus per-warp sampling buffers, flash_tc_smem_bytes); the first is the default. Not
 # yet timed (2026-12-05): w4 r16 s4 fits 3 CTAs (12 warps) per SM at tile 64, like the
 # CUDA-core kernel, with 12 KB of K in flight per warp; w4 r32 s4 is prop's fastest ring
-# (one CTA per SM); w8 r16 s2 fits 2 CTAs of 8 warps.
+# (one CTA per SM); w8 r16 s2: 8 warps with 4 KB in flight each, but its registers
+# (157-213 at D = 128) allow one CTA per SM, and at D = 64 / GMAX 4 ptxas caps it at 128
+# and spills 88 bytes (nvcc 13, 2026-12-05).
 FLASH_TC_TILINGS = (TcTiling(4, 16, 4, 1), TcTiling(4, 32, 4, 1), TcTiling(8, 16, 2, 1))
 _active_flash_tc = [FLASH_TC_TILINGS[0]]
 

@@ -61,8 +61,8 @@ __device__ __forceinline__ void accumulate_stage(float (&x)[Tiling<D>::kRowsPerT
   }
 }
 
-// Warp states in shared memory (m, l: [kWarps][GMAX] floats each at `smem`, then
-// acc: [kWarps][GMAX][D] floats; warps that saw nothing hold m = -inf, l = 0, acc = 0)
+// Warp states in shared memory (m, l: [WARPS][GMAX] floats each at `smem`, then
+// acc: [WARPS][GMAX][D] floats; warps that saw nothing hold m = -inf, l = 0, acc = 0)
 // -> the G heads' output rows (num_chunks == 1) or normalised partial and (max, sum) at
 // slot `chunk`. The caller has synchronised after filling the buffers. WARPS and THREADS:
 // the CTA's shape (the tiling macros' by default; exact_decode_tc.cu has its own).

@@ -27,6 +27,7 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
+from stochattn.cuda import _sources  # noqa: E402
 from stochattn.cuda import flash as flash_mod  # noqa: E402
 from stochattn.cuda.flash import flash_diagnostics, santa_flash  # noqa: E402
 from stochattn.reference import santa as ref_santa  # noqa: E402
@@ -230,22 +231,31 @@ def test_flash_matches_flash_estimate(dtype, sampler):
     assert err <= 2 * err_naive + 1e-5, f"kernel error {err:.3g} vs naive {err_naive:.3g}"
 
 
+@pytest.mark.parametrize("tiling", _sources.FLASH_TC_TILINGS, ids=lambda t: t.label())
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("D,G,tile_size", [(128, 4, 64), (64, 8, 32), (128, 3, 256)])
-def test_flash_tc_equals_simt(dtype, D, G, tile_size):
-    """The two step-1 kernels on the same inputs and seed: the draws agree on >= 99.9% (their
-    logits differ by fp32 rounding only, so a draw can move only at a CDF boundary), the
-    tile maxima to fp32 rounding of the logits, the tile sums to 1e-4 relative, and the
-    outputs of heads whose draws all agree to two roundings of the output dtype."""
+def test_flash_tc_equals_simt(kernel, tiling, dtype, D, G, tile_size):
+    """The two step-1 kernels on the same inputs and seed, every compiled tensor-core tiling
+    (the other flash tests run the default one): the draws agree on >= 99.9% (their logits
+    differ by fp32 rounding only, so a draw can move only at a CDF boundary), the tile
+    maxima to fp32 rounding of the logits, the tile sums to 1e-4 relative, and the outputs
+    of heads whose draws all agree to two roundings of the output dtype."""
+    if kernel != "tc":
+        pytest.skip("compares both kernels itself: run once, under the tc default")
     B, Hkv, N = 2, 2, 5000
     q, k, v = peaked_inputs(B, Hkv, G, N, D, seed=D + G)
     qd, kd, vd = (to_device(a, dtype) for a in (q, k, v))
     lens = np.asarray([N, 2345], dtype=np.int32)
     res = {}
-    for kern in flash_mod.KERNELS:
-        out, idx, st = santa_flash(qd, kd, vd, lens, budget=700, tile_size=tile_size, seed=11,
-                                   return_indices=True, return_tile_stats=True, kernel=kern)
-        res[kern] = (to_host64(out), to_host(idx), [to_host(a) for a in st])
+    prev = _sources.set_flash_tc_tiling(tiling)
+    try:
+        for kern in flash_mod.KERNELS:
+            out, idx, st = santa_flash(qd, kd, vd, lens, budget=700, tile_size=tile_size,
+                                       seed=11, return_indices=True, return_tile_stats=True,
+                                       kernel=kern)
+            res[kern] = (to_host64(out), to_host(idx), [to_host(a) for a in st])
+    finally:
+        _sources.set_flash_tc_tiling(prev)
     (o_s, j_s, st_s), (o_t, j_t, st_t) = res["simt"], res["tc"]
     assert (j_s == j_t).mean() >= 0.999
     np.testing.assert_array_equal(st_s[2], st_t[2])  # S_t
@@ -397,8 +407,8 @@ def test_flash_validation_messages():
         santa_flash(q, k, k, budget=4, tile_size=48)
     with pytest.raises(ValueError, match="`budget` must be >= 1"):
         santa_flash(q, k, k, budget=0)
-    with pytest.raises(ValueError, match="`budget` must be at most 2\\*\\*30"):
-        santa_flash(q, k, k, budget=2**30 + 1)
+    with pytest.raises(ValueError, match="`budget` must be at most 2\\*\\*27 on the GPU"):
+        santa_flash(q, k, k, budget=2**27 + 1)
     with pytest.raises(ValueError, match="`sampler` must be one of"):
         santa_flash(q, k, k, budget=4, sampler="gumbel")
     with pytest.raises(ValueError, match="`seed` must lie in"):
