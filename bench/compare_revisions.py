@@ -35,6 +35,7 @@ REVS_DIR = os.path.join(ROOT, "bench", "revs")
 HQ, HKV, D = 32, 8, 128
 BANDWIDTH = 4.25e12  # B/s, as bench/tune_exact_tc.py
 MARK = "@@compare_revisions@@ "
+ROW_MARK = "@@compare_revisions_row@@ "
 
 
 def parse_cases(text: str):
@@ -80,11 +81,14 @@ def _child(rev_dir: str, cases, kernel: str):
         raise RuntimeError(f"imported stochattn from {where}, not from {rev_dir}")
     from stochattn.cuda.exact import exact_decode
 
+    import inspect
+
+    # A revision without the kernel argument times its only kernel; the results say which.
+    has_kernel = "kernel" in inspect.signature(exact_decode).parameters
+    used = kernel if has_kernel else "default (no kernel argument)"
+
     def ours(q, k, v):
-        try:
-            return exact_decode(q, k, v, kernel=kernel)
-        except TypeError:  # a revision without the kernel argument
-            return exact_decode(q, k, v)
+        return exact_decode(q, k, v, kernel=kernel) if has_kernel else exact_decode(q, k, v)
 
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -103,13 +107,18 @@ def _child(rev_dir: str, cases, kernel: str):
                      "err": err})
         del q, k, v, q4, ref
         torch.cuda.empty_cache()
+        # One line per row as it is measured, so that a run cut off at its time limit keeps
+        # what it measured.
+        print(ROW_MARK + json.dumps(rows[-1]), flush=True)
     print(MARK + json.dumps({"rev_dir": rev_dir, "stochattn": where, "copy_Bps": bw,
-                             "device": torch.cuda.get_device_name(), "rows": rows}), flush=True)
+                             "kernel": used, "device": torch.cuda.get_device_name(),
+                             "rows": rows}), flush=True)
 
 
-def time_revisions(cases, kernel="tc", revs_dir=REVS_DIR, repeat_first=True):
+def time_revisions(cases, kernel="tc", revs_dir=REVS_DIR, repeat_first=True, json_path=None):
     """One child per revision of ``revs_dir/revs.txt`` (then the first again); returns the
-    children's results in run order."""
+    children's results in run order. Each child's rows are printed, and ``json_path``
+    rewritten, as soon as the child returns."""
     with open(os.path.join(revs_dir, "revs.txt")) as f:
         shas = [s for s in f.read().split() if s]
     order = shas + shas[:1] if repeat_first and len(shas) > 1 else shas
@@ -117,18 +126,34 @@ def time_revisions(cases, kernel="tc", revs_dir=REVS_DIR, repeat_first=True):
     spec = ",".join(f"{b}:{n}" for b, n in cases)
     results = []
     for sha in order:
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "_child",
-                               os.path.join(revs_dir, sha), "--cases", spec, "--kernel", kernel],
-                              env=env, capture_output=True, text=True)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)]
-        if proc.returncode or not lines:
-            print(f"{sha}: child failed (rc {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
-            results.append({"rev": sha, "failed": True, "stderr": proc.stderr[-3000:]})
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "_child",
+                                 os.path.join(revs_dir, sha), "--cases", spec, "--kernel", kernel],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+        final, other = None, []
+        for ln in proc.stdout:  # each row as the child measures it
+            if ln.startswith(ROW_MARK):
+                row = json.loads(ln[len(ROW_MARK):])
+                print(f"  {sha} B={row['batch']} N={row['context']}: {row['us']:.1f} us "
+                      f"({100 * row['floor_us'] / row['us']:.0f}% of floor), SDPA "
+                      f"{row['sdpa_us']:.1f} us", flush=True)
+            elif ln.startswith(MARK):
+                final = json.loads(ln[len(MARK):])
+            else:
+                other.append(ln)
+        rc = proc.wait()
+        if rc or final is None:
+            tail = "".join(other)[-3000:]
+            print(f"{sha}: child failed (rc {rc})\n{tail}", flush=True)
+            results.append({"rev": sha, "failed": True, "output": tail})
             continue
-        res = json.loads(lines[-1][len(MARK):])
-        res["rev"] = sha
-        results.append(res)
-        print(f"{sha}: copy bandwidth {res['copy_Bps'] / 1e12:.2f} TB/s", flush=True)
+        final["rev"] = sha
+        results.append(final)
+        print(f"{sha}: copy bandwidth {final['copy_Bps'] / 1e12:.2f} TB/s, kernel "
+              f"{final.get('kernel', kernel)}", flush=True)
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump(results, f, indent=1)
     return results
 
 
@@ -169,11 +194,10 @@ def main(argv=None):
     elif args.cmd == "_child":
         _child(args.rev_dir, parse_cases(args.cases), args.kernel)
     else:
-        results = time_revisions(parse_cases(args.cases), args.kernel, args.dir)
+        results = time_revisions(parse_cases(args.cases), args.kernel, args.dir,
+                                 json_path=args.json)
         print_table(results)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
             print(f"wrote {args.json}")
 
 
