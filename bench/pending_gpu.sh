@@ -14,6 +14,7 @@
 #   bash bench/pending_gpu.sh flash-sanitize  # compute-sanitizer memcheck, odd sizes, both kernels
 #   bash bench/pending_gpu.sh flash-tune      # bench/tune_flash.py: simt against every tc tiling
 #   bash bench/pending_gpu.sh decode-tests    # exact / plan / prop GPU tests, memcheck of the merge
+#   bash bench/pending_gpu.sh flash-ncu       # Nsight Compute on both flash kernels, per-line counters
 #   bash bench/pending_gpu.sh read-floor      # bench/read_floor.py: what one read-only launch takes
 #   bash bench/pending_gpu.sh revisions       # compare_revisions (carry bench/revs, made here by
 #                                             #   python3 bench/compare_revisions.py prepare ...)
@@ -22,11 +23,12 @@
 #
 # Device time counts from the asking to the giving back, starts (a minute or more) and the
 # 30 s warm tail included: give each call BUDGET_S from status's budget_left_s less ~120 s.
-# The plan for the next 30 device minutes, three calls back to back (then revisions if
-# time is left; it is the least urgent):
+# The plan for the next 30 device minutes, three calls back to back (then flash-ncu and
+# revisions if time is left):
 #   bash bench/pending_gpu.sh gpu-suite decode-sanitize
 #   bash bench/pending_gpu.sh flash-tune kmeans-patch:labels kmeans-patch:both
 #   bash bench/pending_gpu.sh flash-sanitize read-floor
+#   bash bench/pending_gpu.sh flash-ncu revisions
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=".:${PYTHONPATH:-}"
@@ -43,7 +45,7 @@ est() {
   case "$1" in
     gpu-suite) echo 330 ;; flash-tests) echo 120 ;; decode-tests) echo 150 ;;
     decode-sanitize) echo 120 ;; flash-sanitize) echo 420 ;; flash-tune) echo 240 ;;
-    kmeans-patch:*) echo 120 ;; read-floor) echo 60 ;; revisions) echo 200 ;; *) echo 60 ;;
+    kmeans-patch:*) echo 120 ;; read-floor) echo 60 ;; flash-ncu) echo 150 ;; revisions) echo 200 ;; *) echo 60 ;;
   esac
 }
 
@@ -83,6 +85,21 @@ case "$1" in
       compute-sanitizer --tool $tool --error-exitcode 9 $py tests/gpu/test_cuda_flash.py \
         -k "shorter or (tc_equals and float16)" 2>&1 | tee -a "$out/flash_sanitize.log" \
         | tail -12 || return 1
+    done ;;
+  flash-ncu)
+    # Nsight Compute on both flash kernels at batch 8 / 32k, S = 2048, tile 64 (Gaussian
+    # K/V): throughput, occupancy, stall reasons, executed instructions, and per-line
+    # counters of the source (line tables from STOCHATTN_LINEINFO=1): where a tile's
+    # instructions and stalls go now that the logits are on the tensor cores.
+    for kern in simt tc; do
+      STOCHATTN_LINEINFO=1 ncu --clock-control none -k regex:santa_flash --launch-skip 4 \
+        --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+        --section InstructionStats --section SourceCounters --import-source yes -f \
+        -o "/tmp/flash_$kern" python3 bench/profile_flash.py 8 32768 2048 64 "$kern" \
+        2>&1 | tail -5 || return 1
+      ncu -i "/tmp/flash_$kern.ncu-rep" --page details --csv > "$out/flash_ncu_$kern.csv" &&
+      ncu -i "/tmp/flash_$kern.ncu-rep" --page source --csv --print-source cuda \
+        > "$out/flash_ncu_source_$kern.csv" || return 1
     done ;;
   flash-tune)
     python3 bench/tune_flash.py --cases 8:32768,8:131072,32:32768,1:32768 --tiles 64,128 \
@@ -132,6 +149,7 @@ esac
 for step in "$@"; do
   case "$step" in
     gpu-suite|flash-tests|decode-tests|decode-sanitize|flash-sanitize|flash-tune|read-floor) ;;
+    flash-ncu) ;;
     revisions|kmeans-patch:labels|kmeans-patch:both) ;;
     *) echo "unknown step $step (see the header)" >&2; exit 2 ;;
   esac

@@ -146,7 +146,11 @@ class TileConfig:
 
 _REDUCE_CODES = {"butterfly": 0, "scatter": 1}
 FLASH_WARP_STAGES = 8  # santa_flash.cu: kFlashStages
-_OPTIONS = ("-std=c++17",)
+# STOCHATTN_LINEINFO=1 in the environment compiles every kernel with a line table (for
+# Nsight Compute's per-line counters: ncu --import-source yes, --page source); the options
+# are part of every module and plan key, so it never mixes with a build without it.
+_OPTIONS = ("-std=c++17",) + (("-lineinfo",) if os.environ.get("STOCHATTN_LINEINFO") == "1"
+                              else ())
 
 # The configuration the wrappers use. To change the default, edit this line (tests and
 # benchmarks follow); STOCHATTN_TILE_CONFIG="stage_bytes,stages,threads,reduce" in the
