@@ -15,6 +15,7 @@
 #   bash bench/pending_gpu.sh flash-tune      # bench/tune_flash.py: simt against every tc tiling
 #   bash bench/pending_gpu.sh decode-tests    # exact / plan / prop GPU tests, memcheck of the merge
 #   bash bench/pending_gpu.sh flash-ncu       # Nsight Compute on both flash kernels, per-line counters
+#   bash bench/pending_gpu.sh pdl             # programmatic dependent launch: tests, then on/off timing
 #   bash bench/pending_gpu.sh read-floor      # bench/read_floor.py: what one read-only launch takes
 #   bash bench/pending_gpu.sh revisions       # compare_revisions (carry bench/revs, made here by
 #                                             #   python3 bench/compare_revisions.py prepare ...)
@@ -23,12 +24,12 @@
 #
 # Device time counts from the asking to the giving back, starts (a minute or more) and the
 # 30 s warm tail included: give each call BUDGET_S from status's budget_left_s less ~120 s.
-# The plan for the next 30 device minutes, three calls back to back (then flash-ncu and
+# The plan for the next 30 device minutes, three calls back to back (then flash-ncu, pdl and
 # revisions if time is left):
 #   bash bench/pending_gpu.sh gpu-suite decode-sanitize
 #   bash bench/pending_gpu.sh flash-tune kmeans-patch:labels kmeans-patch:both
 #   bash bench/pending_gpu.sh flash-sanitize read-floor
-#   bash bench/pending_gpu.sh flash-ncu revisions
+#   bash bench/pending_gpu.sh flash-ncu pdl revisions
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=".:${PYTHONPATH:-}"
@@ -45,7 +46,7 @@ est() {
   case "$1" in
     gpu-suite) echo 330 ;; flash-tests) echo 120 ;; decode-tests) echo 150 ;;
     decode-sanitize) echo 120 ;; flash-sanitize) echo 420 ;; flash-tune) echo 240 ;;
-    kmeans-patch:*) echo 120 ;; read-floor) echo 60 ;; flash-ncu) echo 150 ;; revisions) echo 200 ;; *) echo 60 ;;
+    kmeans-patch:*) echo 120 ;; read-floor) echo 60 ;; flash-ncu) echo 150 ;; pdl) echo 180 ;; revisions) echo 200 ;; *) echo 60 ;;
   esac
 }
 
@@ -101,6 +102,11 @@ case "$1" in
       ncu -i "/tmp/flash_$kern.ncu-rep" --page source --csv --print-source cuda \
         > "$out/flash_ncu_source_$kern.csv" || return 1
     done ;;
+  pdl)
+    # Programmatic dependent launch: the chains unchanged bit for bit (tests/gpu/test_pdl.py),
+    # then on/off alternated for prop and Double-P (bench/pdl_ab.py).
+    $py tests/gpu/test_pdl.py 2>&1 | tee "$out/pdl.log" | tail -5 &&
+    python3 bench/pdl_ab.py --json "$out/pdl_ab.json" 2>&1 | tee -a "$out/pdl.log" ;;
   flash-tune)
     python3 bench/tune_flash.py --cases 8:32768,8:131072,32:32768,1:32768 --tiles 64,128 \
       --budgets 256,2048 --kernels simt,tc --tc-tilings all --json "$out/tune_flash.json" \
@@ -149,7 +155,7 @@ esac
 for step in "$@"; do
   case "$step" in
     gpu-suite|flash-tests|decode-tests|decode-sanitize|flash-sanitize|flash-tune|read-floor) ;;
-    flash-ncu) ;;
+    flash-ncu|pdl) ;;
     revisions|kmeans-patch:labels|kmeans-patch:both) ;;
     *) echo "unknown step $step (see the header)" >&2; exit 2 ;;
   esac

@@ -6,6 +6,9 @@ reference bit for bit. No GPU needed: nvcc when on PATH, else NVRTC from the
 
 from __future__ import annotations
 
+import glob
+import os
+import re
 import shutil
 import subprocess
 
@@ -37,9 +40,11 @@ def test_family_compiles_for_sm90(family, backend):
     assert result.ok, f"{family} failed to compile with {backend}:\n{result.log}"
 
 
-# A non-default tiling: bigger stages, more threads, the reduce-scatter reduction (the
-# kernels' static_asserts check that it tiles both head dims).
-_OTHER_CONFIG = _sources.TileConfig(stage_bytes=16384, stages=3, threads=256, reduce="scatter")
+# A non-default configuration: bigger stages, more threads, the reduce-scatter reduction
+# (the kernels' static_asserts check that it tiles both head dims), and programmatic
+# dependent launch (every kernel's STOCHATTN_PDL_ENTRY compiled in).
+_OTHER_CONFIG = _sources.TileConfig(stage_bytes=16384, stages=3, threads=256, reduce="scatter",
+                                    pdl=True)
 
 
 @pytest.mark.parametrize("backend", _BACKENDS[:1] or _backend_params())
@@ -64,7 +69,11 @@ def test_untileable_macros_fail(backend):
 def test_tile_config_options_and_validation():
     cfg = _OTHER_CONFIG
     assert cfg.options() == ("-std=c++17", "-DSTOCHATTN_STAGE_BYTES=16384", "-DSTOCHATTN_STAGES=3",
-                             "-DSTOCHATTN_THREADS=256", "-DSTOCHATTN_REDUCE=1")
+                             "-DSTOCHATTN_THREADS=256", "-DSTOCHATTN_REDUCE=1",
+                             "-DSTOCHATTN_PDL=1")
+    assert "-DSTOCHATTN_PDL=1" not in _sources.TileConfig().options()
+    with pytest.raises(TypeError, match="`pdl` must be a bool"):
+        _sources.TileConfig(pdl=1)
     assert (cfg.tile_rows(128), cfg.rows_per_thread(128), cfg.tile_rows(64), cfg.rows_per_thread(64)) \
         == (64, 4, 128, 4)
     assert cfg.smem_bytes("exact_decode", 128, 4) == 3 * 2 * 16384
@@ -356,3 +365,22 @@ def test_bench_read_floor_kernel_compiles(backend):
 
     result = _sources.compile_check(_SOURCE, ["read_only"], backend=backend, options=("-std=c++17",))
     assert result.ok, result.log
+
+
+_GLOBAL = re.compile(r"__global__[^{;]*?\)\s*\{", re.S)
+
+
+def test_every_kernel_starts_with_the_pdl_entry():
+    """With programmatic dependent launch on, a kernel launched as a dependent may start
+    before the kernel before it has finished: it must wait (STOCHATTN_PDL_ENTRY) before it
+    reads or writes anything. So every kernel's body starts with the entry."""
+    found = 0
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(_sources.__file__), "*.cu*"))):
+        text = open(path).read()
+        for m in _GLOBAL.finditer(text):
+            body = text[m.end():].lstrip()
+            assert body.startswith("STOCHATTN_PDL_ENTRY();"), \
+                f"{os.path.basename(path)}: a kernel ({m.group(0)[:80]!r}...) does not start " \
+                f"with STOCHATTN_PDL_ENTRY()"
+            found += 1
+    assert found >= 19

@@ -1,5 +1,7 @@
 """stochattn.cuda._module.Packed without a GPU: the argument buffer (8-byte slots, each
-value's bits in the low bytes) and the fallback call through the Launcher."""
+value's bits in the low bytes), the fallback call through the Launcher, and the
+programmatic-dependent-launch path (stochattn.cuda._pdl: the driver structures' layout and
+what cuLaunchKernelEx is handed)."""
 
 from __future__ import annotations
 
@@ -89,3 +91,123 @@ def test_driver_path_writes_the_slots_and_launches_once(monkeypatch):
     assert seen == [(99, (4, 2, 1), (256, 1, 1), 0, 1234, p.params, 0)]
     assert p.vals[0] == 2**40 + 3 and p.vals[1] == 5 and p.vals[3] == 9
     assert np.array([p.vals[2]], dtype=np.uint64).view(np.float64)[0] == 0.25
+
+
+# ---- programmatic dependent launch (stochattn.cuda._pdl) ----
+
+def test_pdl_structures_have_the_layout_of_cuda_h():
+    """Offsets and sizes of CUlaunchAttribute and CUlaunchConfig (cuda.h, CUDA 12 and 13):
+    a mismatch would hand the driver garbage."""
+    import ctypes
+
+    from stochattn.cuda import _pdl
+
+    A, C = _pdl.LaunchAttribute, _pdl.LaunchConfig
+    assert (ctypes.sizeof(A), A.value.offset, ctypes.alignment(A)) == (72, 8, 8)
+    assert ctypes.sizeof(C) == 56
+    assert [getattr(C, f).offset for f in ("gridDimX", "blockDimX", "sharedMemBytes", "hStream",
+                                           "attrs", "numAttrs")] == [0, 12, 24, 32, 40, 48]
+    assert _pdl.ATTR_PROGRAMMATIC_STREAM_SERIALIZATION == 6
+
+
+def _cuda_h():
+    import glob
+    import os
+
+    for base in [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"] + sorted(
+            glob.glob("/usr/local/cuda-*")):
+        if base and os.path.isfile(os.path.join(base, "include", "cuda.h")):
+            return os.path.join(base, "include")
+    return None
+
+
+@pytest.mark.skipif(_cuda_h() is None, reason="no CUDA toolkit headers (cuda.h)")
+def test_pdl_structures_match_the_installed_cuda_h(tmp_path):
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    src = tmp_path / "layout.c"
+    src.write_text("""#include <stddef.h>
+#include <stdio.h>
+#include <cuda.h>
+int main(void) {
+  printf("%zu %zu %zu %zu %zu %zu %d\\n", sizeof(CUlaunchAttribute),
+         offsetof(CUlaunchAttribute, value), sizeof(CUlaunchConfig),
+         offsetof(CUlaunchConfig, hStream), offsetof(CUlaunchConfig, attrs),
+         offsetof(CUlaunchConfig, numAttrs), (int)CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION);
+  return 0;
+}
+""")
+    exe = tmp_path / "layout"
+    subprocess.run([cc, f"-I{_cuda_h()}", str(src), "-o", str(exe)], check=True)
+    got = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()
+    assert [int(x) for x in got] == [72, 8, 56, 32, 40, 48, 6]
+
+
+class _FakeFunction:
+    ptr = 777
+
+
+class _DriverLauncher(_FakeLauncher):
+    fn = _FakeFunction()
+    smem = 4096
+
+
+def test_pdl_launch_sets_the_attribute_and_the_stream(monkeypatch):
+    """pdl=True with a driver entry point: cuLaunchKernelEx gets the packed arguments, the
+    grid, block, shared memory and stream, and one attribute, programmatic stream
+    serialization = 1; the ordinary cuLaunchKernel is not called."""
+    import ctypes
+
+    from stochattn.cuda import _module, _pdl
+
+    plain, ex = [], []
+
+    def fake_launch(*args):
+        plain.append(args)
+
+    def fake_ex(cfg_ref, fptr, params, extra):
+        c = cfg_ref._obj
+        a = c.attrs[0]
+        ex.append(((c.gridDimX, c.gridDimY, c.gridDimZ), (c.blockDimX, c.blockDimY, c.blockDimZ),
+                   c.sharedMemBytes, c.hStream, c.numAttrs, a.id, a.value[0] & 0xFFFFFFFF,
+                   fptr.value, params.value, extra))
+        return 0
+
+    class _Stream:
+        ptr = 4321
+
+    monkeypatch.setattr(_module, "_launch", [fake_launch, True])
+    monkeypatch.setattr(_pdl, "_entry", [fake_ex, True])
+    p = Packed(_DriverLauncher(), (5, 8, 2), (256,), (np.uint64(0), np.int32(3)), variable=(0,),
+               pdl=True)
+    p(_Stream(), 2**33 + 1)
+    assert plain == []
+    assert ex == [((5, 8, 2), (256, 1, 1), 4096, 4321, 1, 6, 1, 777, p.params, None)]
+    assert p.vals[0] == 2**33 + 1 and p.vals[1] == 3
+    # without pdl the same launcher goes through cuLaunchKernel
+    q = Packed(_DriverLauncher(), (1,), (32,), (np.uint64(0),), variable=(0,))
+    q(_Stream(), 5)
+    assert len(plain) == 1 and len(ex) == 1
+    assert ctypes.sizeof(p._pdl.config) == 56
+
+
+def test_pdl_without_the_driver_entry_point_launches_normally(monkeypatch):
+    """An old driver (no cuLaunchKernelEx): the launch is an ordinary one, which is correct
+    since the kernels' entry wait is then a no-op."""
+    from stochattn.cuda import _module, _pdl
+
+    plain = []
+    monkeypatch.setattr(_module, "_launch", [lambda *a: plain.append(a), True])
+    monkeypatch.setattr(_pdl, "_entry", [None, True])
+
+    class _Stream:
+        ptr = 1
+
+    p = Packed(_DriverLauncher(), (2,), (64,), (np.uint64(0),), variable=(0,), pdl=True)
+    assert p._pdl is None
+    p(_Stream(), 9)
+    assert len(plain) == 1 and plain[0][8] == 1

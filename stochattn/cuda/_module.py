@@ -103,12 +103,19 @@ class Packed:
     of CuPy's ``Function`` call (``bench/host_overhead.py``). Where that entry point is
     missing, the same values go through :class:`Launcher`. A lock guards the buffer from
     the write to the launch (the driver has copied the arguments when the call returns),
-    so concurrent calls from several threads are safe."""
+    so concurrent calls from several threads are safe.
+
+    ``pdl=True`` (for the second and later kernels of one call, and only when the plan's
+    ``TileConfig.pdl`` is on): the launch goes through ``cuLaunchKernelEx`` with the
+    programmatic-serialization attribute (:mod:`._pdl`), so the kernel may be scheduled
+    while the one before it finishes; its ``STOCHATTN_PDL_ENTRY`` waits for that one.
+    Where the driver entry point is missing, the launch is an ordinary one (the entry's
+    wait is then a no-op)."""
 
     __slots__ = ("launcher", "grid", "block", "variable", "args", "vals", "_ptrs", "params",
-                 "fptr", "_lock", "_float")
+                 "fptr", "_lock", "_float", "_pdl")
 
-    def __init__(self, launcher: Launcher, grid, block, args, variable=()):
+    def __init__(self, launcher: Launcher, grid, block, args, variable=(), pdl: bool = False):
         self.launcher = launcher
         self.grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
         self.block = tuple(int(b) for b in block) + (1,) * (3 - len(block))
@@ -129,6 +136,14 @@ class Packed:
         fn = launcher.fn
         self.fptr = int(fn.ptr) if fn is not None and _launch_kernel() is not None else None
         self._lock = threading.Lock()
+        self._pdl = None
+        if pdl and self.fptr is not None:
+            from . import _pdl
+
+            ex = _pdl.launch_ex()
+            if ex is not None:
+                self._pdl = _pdl.PdlLaunch(ex, self.fptr, self.grid, self.block, launcher.smem,
+                                           self.params)
 
     def __call__(self, stream, *values):
         """Launch with ``values`` at the variable positions; ``stream``: a CuPy stream
@@ -146,8 +161,11 @@ class Packed:
             vals = self.vals
             for i, x, f in zip(self.variable, values, self._float):
                 vals[i] = x if f is None else _bits(f.type(x))
-            _launch[0](fptr, g[0], g[1], g[2], b[0], b[1], b[2], self.launcher.smem, sptr,
-                       self.params, 0)
+            if self._pdl is not None:
+                self._pdl(sptr)
+            else:
+                _launch[0](fptr, g[0], g[1], g[2], b[0], b[1], b[2], self.launcher.smem, sptr,
+                           self.params, 0)
 
 
 def _bits(a) -> int:
@@ -226,7 +244,8 @@ class ChunkMerge:
             null = np.uint64(0)
             self.merge = Packed(launcher(family, f"exact_decode_merge<{ctype}>", 0, config),
                                 (rows,), (head_dim,),
-                                (null, null, null, np.int32(chunks), np.int32(head_dim)), range(3))
+                                (null, null, null, np.int32(chunks), np.int32(head_dim)), range(3),
+                                pdl=config.pdl)
 
     def partials(self, ops, like, stream):
         """``(scratch, partial outputs, (max, sum) pairs, counters)``: the buffer to keep

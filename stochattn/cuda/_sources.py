@@ -20,7 +20,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 __all__ = [
@@ -80,18 +80,29 @@ class TileConfig:
     ``stage_bytes``: bytes of K (and as much of V) per cp.async stage; ``stages``: pipeline
     depth; ``threads``: threads per CTA; ``reduce``: "butterfly" (all-reduce every partial
     dot product) or "scatter" (reduce-scatter, then one broadcast per logit).
+
+    ``pdl``: programmatic dependent launch (sm_90). Every kernel is compiled with
+    ``-DSTOCHATTN_PDL=1`` (its entry waits for the grid before it, then lets the next one
+    launch: ``STOCHATTN_PDL_ENTRY`` in ``decode_common.cuh``), and the second and later
+    kernels of one call are launched with the programmatic-serialization attribute
+    (``_module.Packed(..., pdl=True)``), so that each launch overlaps the tail of the kernel
+    before it. Off by default until timed on a GPU; ``STOCHATTN_PDL=1`` in the environment
+    turns it on for one process.
     """
 
     stage_bytes: int = 4096
     stages: int = 4
     threads: int = 128
     reduce: str = "butterfly"
+    pdl: bool = False
 
     def __post_init__(self):
         if self.reduce not in _REDUCE_CODES:
             raise ValueError(f"`reduce` must be one of {tuple(_REDUCE_CODES)}, got {self.reduce!r}")
         if self.threads not in (64, 128, 256, 512) or not 2 <= self.stages <= 8:
             raise ValueError(f"unsupported threads/stages: {self}")
+        if not isinstance(self.pdl, bool):
+            raise TypeError(f"`pdl` must be a bool, got {type(self.pdl).__name__}")
         for d in HEAD_DIMS:  # every head dim must tile: a power of two of rows per thread
             rpt = self.rows_per_thread(d)
             if rpt < 1 or rpt & (rpt - 1) or self.tile_rows(d) * 2 * d != self.stage_bytes \
@@ -108,7 +119,8 @@ class TileConfig:
         return _OPTIONS + (f"-DSTOCHATTN_STAGE_BYTES={self.stage_bytes}",
                            f"-DSTOCHATTN_STAGES={self.stages}",
                            f"-DSTOCHATTN_THREADS={self.threads}",
-                           f"-DSTOCHATTN_REDUCE={_REDUCE_CODES[self.reduce]}")
+                           f"-DSTOCHATTN_REDUCE={_REDUCE_CODES[self.reduce]}") + (
+                               ("-DSTOCHATTN_PDL=1",) if self.pdl else ())
 
     def tile_rows(self, head_dim: int) -> int:
         """Rows per pipeline stage (decode_common.cuh: Tiling::kTileRows)."""
@@ -160,10 +172,13 @@ DEFAULT_CONFIG = TileConfig(stage_bytes=8192, stages=3, threads=128, reduce="sca
 
 def _config_from_env() -> TileConfig:
     text = os.environ.get("STOCHATTN_TILE_CONFIG", "").strip()
-    if not text:
-        return DEFAULT_CONFIG
-    sb, st, th, red = (x.strip() for x in text.split(","))
-    return TileConfig(int(sb), int(st), int(th), red)
+    config = DEFAULT_CONFIG
+    if text:
+        sb, st, th, red = (x.strip() for x in text.split(","))
+        config = TileConfig(int(sb), int(st), int(th), red)
+    if os.environ.get("STOCHATTN_PDL") == "1":
+        config = replace(config, pdl=True)
+    return config
 
 
 _active = [_config_from_env()]

@@ -63,6 +63,7 @@ bernoulli_qhat(const T* __restrict__ q, float* __restrict__ qhat, int* __restric
                int* __restrict__ nfeat, float* __restrict__ frac, int Hkv, int G, int D,
                int draws, int group_shared, float scale, unsigned long long seed,
                unsigned offset) {
+  STOCHATTN_PDL_ENTRY();
   const int kvh = blockIdx.x, b = blockIdx.y;
   const int j = threadIdx.x;
   const bool active = j < D;
@@ -123,6 +124,7 @@ bernoulli_logits_fm(const float* __restrict__ qhat, const T* __restrict__ kfm,
                     const int* __restrict__ feat, const int* __restrict__ nfeat,
                     const int* __restrict__ seq_lens, float* __restrict__ logits, int Hkv, int G,
                     int D, long long N, long long ld, long long chunk_len, long long n_pad) {
+  STOCHATTN_PDL_ENTRY();
   const int chunk = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int Hq = Hkv * G;
   const long long len = sequence_length(seq_lens, b, N);

@@ -11,6 +11,27 @@
 
 #define STOCHATTN_NEG_INF (__int_as_float(0xff800000))
 
+// Programmatic dependent launch (sm_90), compiled in with -DSTOCHATTN_PDL=1
+// (_sources.TileConfig.pdl). Every kernel starts with STOCHATTN_PDL_ENTRY(): it waits
+// until the grid before it in the stream has completed and its writes are visible (a
+// no-op when the kernel was launched without the programmatic-serialization attribute),
+// then lets the next grid, if launched with that attribute, be scheduled while this one
+// runs; that grid waits in its own entry, so nothing is read early. What is gained: the
+// launch of each kernel of a chain (prop's sampling after pass 1, Double-P's five
+// kernels) overlaps the tail of the one before it. Without the macro defined the entry
+// is empty and the machine code is that of a build without it.
+#if defined(STOCHATTN_PDL) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define STOCHATTN_PDL_ENTRY()                                  \
+  do {                                                         \
+    asm volatile("griddepcontrol.wait;" ::: "memory");         \
+    asm volatile("griddepcontrol.launch_dependents;" ::: );    \
+  } while (0)
+#else
+#define STOCHATTN_PDL_ENTRY() \
+  do {                        \
+  } while (0)
+#endif
+
 namespace stochattn {
 
 // ---- element types -------------------------------------------------------------------

@@ -308,29 +308,32 @@ class _DoublePPlan:
         # Packed launches (_module.Packed): the pointers and the per-call options (n_sink,
         # p1, p2, the count, the seed and offset) are the variable arguments.
         z, zi, zf, P = _inputs.NULL, np.int32(0), np.float64(0.0), _module.Packed
+        dep = config.pdl  # every launch after the first: programmatic dependent launch
         self.logits = P(logits, self.grid_logits, (_LOGIT_THREADS,), (z,) * 4 + self.tail_logits,
                         range(4))
         select_args = (z,) * 7 + self.select_mid + (zi, zf, zf, zi, zi)
         if self.sorted:
             select_args += (np.int32(self.sort_p),)
         self.select = P(select, self.grid_select, (self.select_threads,), select_args,
-                        tuple(range(7)) + (11, 12, 13, 14, 15))
+                        tuple(range(7)) + (11, 12, 13, 14, 15), pdl=dep)
         n_pad = np.int64(self.n_pad if sample is not None else 0)
         self.rows = P(rows_k, self.grid_rows, (_ROW_THREADS,),
                       (z,) * 8 + self.rows_tail + (zi, np.int32(self.slices), z, z, n_pad, z),
-                      tuple(range(8)) + (13, 15, 16, 18))
+                      tuple(range(8)) + (13, 15, 16, 18), pdl=dep)
         self.attend = P(attend, self.grid_attend, (self.threads,),
-                        (z,) * 13 + self.attend_tail + (z, z, n_pad), tuple(range(13)) + (23, 24))
+                        (z,) * 13 + self.attend_tail + (z, z, n_pad), tuple(range(13)) + (23, 24),
+                        pdl=dep)
         if sample is not None:
             self.tiles = P(tiles, self.grid_tiles, (_TILE_THREADS,), (z,) * 4 + self.tiles_tail,
-                           range(4))
+                           range(4), pdl=dep)
             self.sample = P(sample_k, (rows,), (_SAMPLE_THREADS,),
                             (z,) * 10 + self.sample_mid
                             + (np.uint64(0), np.uint32(0), np.uint32(PURPOSE_CLUSTER_SAMPLER), z, z,
                                np.int32(total), np.int32(total - 1)),
-                            tuple(range(10)) + (18, 19, 21, 22))
+                            tuple(range(10)) + (18, 19, 21, 22), pdl=dep)
         self.merge = None if merge is None else P(
-            merge, self.merge_grid, (D,), (z, z, z, np.int32(total), np.int32(D)), range(3))
+            merge, self.merge_grid, (D,), (z, z, z, np.int32(total), np.int32(D)), range(3),
+            pdl=dep)
 
     def run(self, inp, ix, n_sink, p1, p2, count, diagnostics, rng, return_indices):
         ops = inp.ops

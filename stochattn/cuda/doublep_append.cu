@@ -196,6 +196,7 @@ __global__ void __launch_bounds__(1024) doublep_append_score(
     const long long* __restrict__ window_start, const long long* __restrict__ n_init,
     const float* __restrict__ centroids, unsigned long long* __restrict__ partial, int Hkv,
     int C, int D, long long NL, long long n_sink, long long window) {
+  STOCHATTN_PDL_ENTRY();
   using namespace stochattn;
   extern __shared__ float skey[];
   __shared__ unsigned long long red[32];
@@ -231,6 +232,7 @@ __global__ void __launch_bounds__(1024) doublep_append(
     long long* __restrict__ sizes, float* __restrict__ value_sums, int* __restrict__ labels,
     const unsigned long long* __restrict__ partial, int S, int Hkv, int C, int D, long long NL,
     long long n_sink, long long window) {
+  STOCHATTN_PDL_ENTRY();
   using namespace stochattn;
   extern __shared__ float skey[];
   __shared__ unsigned long long red[32];

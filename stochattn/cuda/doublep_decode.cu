@@ -195,6 +195,7 @@ __global__ void __launch_bounds__(kLogitThreads)
 doublep_cluster_logits(const T* __restrict__ q, const float* __restrict__ centroids,
                        const long long* __restrict__ sizes, float* __restrict__ xb, int Hkv,
                        int G, int C, int per_cta, float scale_log2) {
+  STOCHATTN_PDL_ENTRY();
   constexpr int PER = D / 32;
   const int kvh = blockIdx.y, b = blockIdx.z;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -289,6 +290,7 @@ doublep_select(const float* __restrict__ xb, const long long* __restrict__ sizes
                unsigned char* __restrict__ codes, double* __restrict__ stats,
                unsigned long long* __restrict__ rows_read, int Hkv, int G, int C, long long cap,
                int n_sink, double p1, double p2, int counts, int count) {
+  STOCHATTN_PDL_ENTRY();
   __shared__ unsigned long long hist[2][256];
   __shared__ unsigned cnt[2][256];
   __shared__ unsigned long long red[kSelectWarps];
@@ -517,6 +519,7 @@ doublep_select_sorted(const float* __restrict__ xb, const long long* __restrict_
                       double* __restrict__ stats, unsigned long long* __restrict__ rows_read,
                       int Hkv, int G, int C, long long cap, int n_sink, double p1, double p2,
                       int counts, int count, int P) {
+  STOCHATTN_PDL_ENTRY();
   constexpr int W = kSortThreads / 32;
   constexpr int kOwn = kBins / kSortThreads;  // bins per thread in the boundary search
   static_assert(kBins % kSortThreads == 0, "kBins");
@@ -823,6 +826,7 @@ doublep_rows(const long long* __restrict__ lens, const long long* __restrict__ w
              unsigned long long* __restrict__ rows_read, int Hkv, int G, long long cap,
              long long NL, int C, int n_sink, int slices, unsigned char* __restrict__ amasks,
              float* __restrict__ stash, long long n_pad, int* __restrict__ lens32) {
+  STOCHATTN_PDL_ENTRY();
   constexpr int W = kRowThreads / 32;
   __shared__ int warp_counts[W];
   const int slice = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
@@ -1077,6 +1081,7 @@ doublep_attend(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
                long long N, int C, int slices, int tok_chunks, int cl_per_chunk, int num_chunks,
                int list_off, float scale_log2, const unsigned char* __restrict__ amasks,
                float* __restrict__ stash, long long n_pad) {
+  STOCHATTN_PDL_ENTRY();
   using Tl = Tiling<D>;
   constexpr int LPR = Tl::kLanesPerRow;
   constexpr int RPT = Tl::kRowsPerThread;
@@ -1204,6 +1209,7 @@ doublep_true_mass(const T* __restrict__ q, const T* __restrict__ k,
                   const int* __restrict__ labels, const unsigned char* __restrict__ codes,
                   float* __restrict__ part, int Hkv, int G, long long N, long long NL, int C,
                   int n_sink, long long chunk_len, float scale_log2) {
+  STOCHATTN_PDL_ENTRY();
   constexpr int PER = D / 32;
   const int chunk = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, chunks = gridDim.x;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;

@@ -27,6 +27,7 @@ exact_decode_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __
                    float* __restrict__ part_o, float* __restrict__ part_ml,
                    int* __restrict__ counters, int Hkv, int G, long long N, long long chunk_len,
                    int num_chunks, float scale_log2) {
+  STOCHATTN_PDL_ENTRY();
   using Tl = Tiling<D>;
   constexpr int LPR = Tl::kLanesPerRow;
   constexpr int RPT = Tl::kRowsPerThread;
@@ -141,6 +142,7 @@ template <typename T>
 __global__ void exact_decode_merge(const float* __restrict__ part_o,
                                    const float* __restrict__ part_ml, T* __restrict__ out,
                                    int num_chunks, int D) {
+  STOCHATTN_PDL_ENTRY();
   const long long row = blockIdx.x;
   const int d = threadIdx.x;
   out[row * D + d] = Elem<T>::from_float(merge_chunk_partials(part_o, part_ml, row, d, num_chunks, D));

@@ -50,6 +50,7 @@ exact_decode_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T*
                       float* __restrict__ part_o, float* __restrict__ part_ml,
                       int* __restrict__ counters, int Hkv, int G, long long N,
                       long long chunk_len, int num_chunks, float scale_log2) {
+  STOCHATTN_PDL_ENTRY();
   using namespace stochattn;
   static_assert(D == 64 || D == 128, "head_dim must be 64 or 128");
   static_assert(ROWS % 16 == 0 && ROWS >= 16 && ROWS <= 128, "ROWS: a multiple of 16");

@@ -287,13 +287,17 @@ class _PropPlan:
             self.logits = p(logits, self.grid1, (self.threads1,), (null,) * 6 + self.tail_tc,
                             range(6))
         else:
+            # (after the q_hat launch with Bernoulli scores: a dependent launch there)
             self.logits = p(logits, self.grid1, (self.threads1,), (null,) * 4 + self.tail1,
-                            range(4))
+                            range(4), pdl=config.pdl and score.bernoulli)
+        # The second and later launches of a call may overlap the tail of the one before
+        # (programmatic dependent launch, when config.pdl).
         self.tiles = None if tiles is None else p(
-            tiles, self.grid_tiles, (_TILE_THREADS,), (null,) * 4 + self.tail_tiles, range(4))
+            tiles, self.grid_tiles, (_TILE_THREADS,), (null,) * 4 + self.tail_tiles, range(4),
+            pdl=config.pdl)
         self.sample = p(sample, self.grid2, (_SAMPLE_THREADS,),
                         (null,) * 10 + self.mid2 + (np.uint64(0), np.uint32(0)) + _VALUE_STAGE_OUT,
-                        tuple(range(10)) + (18, 19))
+                        tuple(range(10)) + (18, 19), pdl=config.pdl)
 
     def run(self, inp, seq_lens, check_seq_lens, seed, offset, return_indices, kfm):
         ops = inp.ops

@@ -366,6 +366,7 @@ santa_flash_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __r
                   long long N, long long chunk_len, int num_chunks, int tile_size,
                   long long n_tiles, long long idx_stride, int S, int sampler, float scale,
                   unsigned long long seed, unsigned offset) {
+  STOCHATTN_PDL_ENTRY();
   using W = WarpTiling<D>;
   constexpr int LPR = W::kLanesPerRow;
   constexpr int RPT = W::kRowsPerThread;

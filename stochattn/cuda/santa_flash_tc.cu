@@ -35,6 +35,7 @@ santa_flash_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      long long chunk_len, int num_chunks, int tile_size, long long n_tiles,
                      long long idx_stride, int S, int sampler, float scale,
                      unsigned long long seed, unsigned offset) {
+  STOCHATTN_PDL_ENTRY();
   static_assert(GMAX <= 8, "the mma's M rows 0..7 hold at most 8 query heads");
   using Shape = tc::KPieces<D, ROWS, STAGES>;
   constexpr int THREADS = WARPS * 32;

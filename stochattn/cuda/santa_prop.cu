@@ -47,6 +47,7 @@ santa_prop_logits(const void* __restrict__ qv, const T* __restrict__ k,
                   const int* __restrict__ seq_lens, float* __restrict__ logits,
                   int Hkv, int G, long long N, long long chunk_len, long long n_pad,
                   float scale) {
+  STOCHATTN_PDL_ENTRY();
   using Tl = Tiling<D>;
   constexpr int LPR = Tl::kLanesPerRow;
   constexpr int RPT = Tl::kRowsPerThread;
@@ -154,6 +155,7 @@ santa_prop_logits_tc(const T* __restrict__ q, const T* __restrict__ k,
                      float* __restrict__ tile_m, float* __restrict__ tile_l, int Hkv, int G,
                      long long N, long long chunk_len, long long n_pad, long long n_tiles,
                      int tile_size, float scale) {
+  STOCHATTN_PDL_ENTRY();
   using Shape = tc::KPieces<D, ROWS, STAGES>;
   constexpr int NT = Shape::kNT;  // n8 tiles of keys per piece
   constexpr int kTileBytes = Shape::kTileBytes;
@@ -262,6 +264,7 @@ __global__ void __launch_bounds__(kTileThreads)
 santa_prop_tiles(const float* __restrict__ logits, const int* __restrict__ seq_lens,
                  float* __restrict__ tile_m, float* __restrict__ tile_l, int Hq, long long N,
                  long long n_pad, long long n_tiles, int tile_size) {
+  STOCHATTN_PDL_ENTRY();
   const long long row = blockIdx.x;  // b * Hq + h
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int b = (int)(row / Hq);
@@ -407,6 +410,7 @@ santa_prop_sample(const T* __restrict__ v, const int* __restrict__ seq_lens,
                   unsigned long long seed, unsigned offset, unsigned purpose,
                   float* __restrict__ part_o, float* __restrict__ part_ml, int num_parts,
                   int part) {
+  STOCHATTN_PDL_ENTRY();
   __shared__ double sm_d[kSampleWarps + 1];
   __shared__ int sm_i[kSampleWarps + 1];
   __shared__ float sm_f[kSampleWarps + 1];
