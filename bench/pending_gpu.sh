@@ -105,7 +105,7 @@ case "$1" in
   pdl)
     # Programmatic dependent launch: the chains unchanged bit for bit (tests/gpu/test_pdl.py),
     # then on/off alternated for prop and Double-P (bench/pdl_ab.py).
-    $py tests/gpu/test_pdl.py 2>&1 | tee "$out/pdl.log" | tail -5 &&
+    $py tests/gpu/test_pdl.py 2>&1 | tee "$out/pdl.log" | tail -5
     python3 bench/pdl_ab.py --json "$out/pdl_ab.json" 2>&1 | tee -a "$out/pdl.log" ;;
   flash-tune)
     python3 bench/tune_flash.py --cases 8:32768,8:131072,32:32768,1:32768 --tiles 64,128 \

@@ -384,3 +384,53 @@ def test_every_kernel_starts_with_the_pdl_entry():
                 f"with STOCHATTN_PDL_ENTRY()"
             found += 1
     assert found >= 19
+
+
+_MEM_OP = re.compile(r"^\s*(?:@!?%p\d+\s+)?(ld|ldu|st|atom|red|prefetch|cp\.async)((?:\.\w+)*)",
+                     re.M)
+_NOT_GLOBAL = {"param", "shared", "local", "const"}
+
+
+def first_memory_access_before_wait(ptx: str) -> list:
+    """Kernels (PTX entries) in which an access that may touch global memory (ld, st, atom,
+    red, prefetch, cp.async, except to param, shared, local and const space) comes before
+    ``griddepcontrol.wait``: with programmatic dependent launch such an access could see
+    the previous kernel's data half written."""
+    bad = []
+    for entry in re.split(r"(?=\.entry\s)", ptx)[1:]:
+        name = re.match(r"\.entry\s+(\w+)", entry).group(1)
+        wait = entry.find("griddepcontrol.wait")
+        for m in _MEM_OP.finditer(entry):
+            quals = set(m.group(2).split(".")[1:])
+            if m.group(1) != "cp.async" and quals & _NOT_GLOBAL:
+                continue
+            if wait < 0 or m.start() < wait:
+                bad.append(f"{name}: {m.group(0).strip()}")
+            break
+    return bad
+
+
+def test_pdl_wait_check_finds_an_early_load():
+    ptx = (".entry k1(\n.param .u64 a\n)\n{\nld.param.u64 %rd1, [a];\n"
+           "griddepcontrol.wait;\nld.global.nc.f32 %f1, [%rd1];\n}\n"
+           ".entry k2(\n.param .u64 a\n)\n{\nld.param.u64 %rd1, [a];\n"
+           "@%p1 ld.global.f32 %f1, [%rd1];\ngriddepcontrol.wait;\n}\n"
+           ".entry k3()\n{\ncp.async.cg.shared.global [%r1], [%rd2], 16;\n}\n")
+    assert first_memory_access_before_wait(ptx) == [
+        "k2: @%p1 ld.global.f32", "k3: cp.async.cg.shared.global"]
+
+
+@pytest.mark.parametrize("backend", _BACKENDS[:1] or _backend_params())
+@pytest.mark.parametrize("family", sorted(_sources.FAMILIES))
+def test_pdl_wait_precedes_every_global_access(family, backend):
+    """In the PTX of every kernel built with PDL, griddepcontrol.wait comes before any
+    access that may touch global memory (the compiler does not hoist loads above it; the
+    machine code was checked the same way by hand, 2026-12-05: ACQBULK first)."""
+    import dataclasses
+
+    cfg = dataclasses.replace(_sources.get_config(), pdl=True)
+    result = _sources.compile_check(_sources.source_text(family), _sources.name_expressions(family),
+                                    backend=backend, config=cfg, ptx=True)
+    assert result.ok, result.log
+    assert result.ptx.count(".entry") >= 1
+    assert first_memory_access_before_wait(result.ptx) == []

@@ -151,9 +151,18 @@ class _FakeFunction:
     ptr = 777
 
 
+class _Raw:
+    def __init__(self, binary_version):
+        self.attributes = {"binary_version": binary_version}
+
+
 class _DriverLauncher(_FakeLauncher):
     fn = _FakeFunction()
     smem = 4096
+
+    def __init__(self, binary_version=90):
+        super().__init__()
+        self.raw = _Raw(binary_version)
 
 
 def test_pdl_launch_sets_the_attribute_and_the_stream(monkeypatch):
@@ -211,3 +220,32 @@ def test_pdl_without_the_driver_entry_point_launches_normally(monkeypatch):
     assert p._pdl is None
     p(_Stream(), 9)
     assert len(plain) == 1 and plain[0][8] == 1
+
+
+def test_pdl_only_for_sm90_machine_code(monkeypatch):
+    """Machine code built below sm_90 has its entry wait compiled out: its launches must
+    stay ordinary ones (a dependent launch would race with the kernel before it)."""
+    from stochattn.cuda import _module, _pdl
+
+    monkeypatch.setattr(_module, "_launch", [lambda *a: None, True])
+    monkeypatch.setattr(_pdl, "_entry", [lambda *a: 0, True])
+    args = ((4,), (32,), (np.uint64(0),), (0,))
+    assert Packed(_DriverLauncher(80), *args, pdl=True)._pdl is None
+    assert Packed(_DriverLauncher(90), *args, pdl=True)._pdl is not None
+    assert Packed(_DriverLauncher(100), *args, pdl=True)._pdl is not None
+    assert Packed(_DriverLauncher(90), *args)._pdl is None  # not asked for
+
+
+def test_pdl_launch_error_names_the_driver_error(monkeypatch):
+    from stochattn.cuda import _module, _pdl
+
+    monkeypatch.setattr(_module, "_launch", [lambda *a: None, True])
+    monkeypatch.setattr(_pdl, "_entry", [lambda *a: 1, True])  # CUDA_ERROR_INVALID_VALUE
+    monkeypatch.setattr(_pdl, "_errors", [None])
+
+    class _Stream:
+        ptr = 5
+
+    p = Packed(_DriverLauncher(), (1,), (32,), (np.uint64(0),), variable=(0,), pdl=True)
+    with pytest.raises(RuntimeError, match="cuLaunchKernelEx .* failed: CUresult 1"):
+        p(_Stream(), 3)

@@ -137,7 +137,9 @@ class Packed:
         self.fptr = int(fn.ptr) if fn is not None and _launch_kernel() is not None else None
         self._lock = threading.Lock()
         self._pdl = None
-        if pdl and self.fptr is not None:
+        # Only for machine code built for sm_90 or newer: below it the kernel's entry wait
+        # is compiled out, and a dependent launch would race with the kernel before it.
+        if pdl and self.fptr is not None and _binary_version(launcher) >= 90:
             from . import _pdl
 
             ex = _pdl.launch_ex()
@@ -171,6 +173,15 @@ class Packed:
 def _bits(a) -> int:
     """The bits of a 4- or 8-byte NumPy scalar as an unsigned integer."""
     return int(np.asarray(a).view(np.uint32 if a.nbytes == 4 else np.uint64))
+
+
+def _binary_version(launcher) -> int:
+    """The architecture the launcher's machine code was built for (90 for sm_90), 0 if
+    unknown."""
+    try:
+        return int(launcher.raw.attributes["binary_version"])
+    except Exception:  # noqa: BLE001 - no attributes: treat as unknown
+        return 0
 
 
 _launch = [None, False]  # [cupy.cuda.driver.launchKernel or None, looked up]

@@ -40,26 +40,44 @@ class LaunchConfig(ctypes.Structure):
                 ("attrs", ctypes.POINTER(LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
 
 
+# Programmatic edges in CUDA graphs (stream capture of such launches) came with CUDA 12.3.
+MIN_DRIVER_VERSION = 12030
+
 _lib_lock = threading.Lock()
 _entry = [None, False]  # [the ctypes function or None, looked up]
+_errors = [None]  # cuGetErrorName, once the library is loaded
 
 
 def launch_ex():
-    """``cuLaunchKernelEx`` of the driver library, or None where it is missing (no
-    libcuda, or a driver older than CUDA 12)."""
+    """``cuLaunchKernelEx`` of the driver library, or None where it cannot be used: no
+    libcuda, or a driver older than :data:`MIN_DRIVER_VERSION` (no PDL edges under graph
+    capture). Launches then stay ordinary ones, which is correct: a kernel's entry wait is
+    a no-op when it was not launched as a dependent."""
     if not _entry[1]:
         with _lib_lock:
             if not _entry[1]:
                 fn = None
                 try:
-                    fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-                    fn.argtypes = (ctypes.POINTER(LaunchConfig), ctypes.c_void_p,
-                                   ctypes.c_void_p, ctypes.c_void_p)
-                    fn.restype = ctypes.c_int
+                    lib = ctypes.CDLL("libcuda.so.1")
+                    version = ctypes.c_int(0)
+                    if lib.cuDriverGetVersion(ctypes.byref(version)) == 0 \
+                            and version.value >= MIN_DRIVER_VERSION:
+                        fn = lib.cuLaunchKernelEx
+                        fn.argtypes = (ctypes.POINTER(LaunchConfig), ctypes.c_void_p,
+                                       ctypes.c_void_p, ctypes.c_void_p)
+                        fn.restype = ctypes.c_int
+                        _errors[0] = lib.cuGetErrorName
                 except (OSError, AttributeError):
                     fn = None
                 _entry[0], _entry[1] = fn, True
     return _entry[0]
+
+
+def _error_name(err: int) -> str:
+    name = ctypes.c_char_p()
+    if _errors[0] is not None and _errors[0](err, ctypes.byref(name)) == 0 and name.value:
+        return name.value.decode()
+    return f"CUresult {err}"
 
 
 class PdlLaunch:
@@ -85,5 +103,5 @@ class PdlLaunch:
         self.config.hStream = stream_ptr or None
         err = self.fn(ctypes.byref(self.config), self.fptr, self.params, None)
         if err:
-            raise RuntimeError(f"cuLaunchKernelEx (programmatic dependent launch) failed with "
-                               f"CUresult {err}")
+            raise RuntimeError(f"cuLaunchKernelEx (programmatic dependent launch) failed: "
+                               f"{_error_name(err)}")

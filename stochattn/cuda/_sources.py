@@ -153,7 +153,8 @@ class TileConfig:
         raise KeyError(family)
 
     def label(self) -> str:
-        return f"{self.stage_bytes // 1024}K x{self.stages} t{self.threads} {self.reduce}"
+        return (f"{self.stage_bytes // 1024}K x{self.stages} t{self.threads} {self.reduce}"
+                + (" pdl" if self.pdl else ""))
 
 
 _REDUCE_CODES = {"butterfly": 0, "scatter": 1}
@@ -437,6 +438,7 @@ class CompileResult:
     log: str
     backend: str
     cubin: bytes | None = None  # the machine code, when compile_check(..., cubin=True)
+    ptx: str | None = None  # the PTX, when compile_check(..., ptx=True)
 
 
 def _nvcc() -> str | None:
@@ -467,20 +469,25 @@ def _with_instantiations(code: str, names) -> str:
     return code + ("\n\nvoid* stochattn_instantiations[] = {\n  " + refs + "\n};\n" if names else "\n")
 
 
-def _compile_nvcc(code: str, names, arch: str, options=_OPTIONS, cubin=False) -> CompileResult:
+def _compile_nvcc(code: str, names, arch: str, options=_OPTIONS, cubin=False,
+                  ptx=False) -> CompileResult:
     nvcc = _nvcc()
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "check.cu")
         with open(src, "w") as f:
             f.write(_with_instantiations(code, names))
-        out = os.path.join(tmp, "check.cubin" if cubin else "check.o")
-        cmd = [nvcc, f"-arch={arch}", *options, "-cubin" if cubin else "-c", src, "-o", out]
+        kind, ext = ("-ptx", "ptx") if ptx else ("-cubin", "cubin") if cubin else ("-c", "o")
+        out = os.path.join(tmp, "check." + ext)
+        cmd = [nvcc, f"-arch={arch}", *options, kind, src, "-o", out]
         proc = subprocess.run(cmd, capture_output=True, text=True)
-        binary = Path(out).read_bytes() if cubin and proc.returncode == 0 else None
-    return CompileResult(proc.returncode == 0, proc.stdout + proc.stderr, "nvcc", binary)
+        ok = proc.returncode == 0
+        binary = Path(out).read_bytes() if cubin and not ptx and ok else None
+        text = Path(out).read_text() if ptx and ok else None
+    return CompileResult(ok, proc.stdout + proc.stderr, "nvcc", binary, text)
 
 
-def _compile_nvrtc(code: str, names, arch: str, options=_OPTIONS, cubin=False) -> CompileResult:
+def _compile_nvrtc(code: str, names, arch: str, options=_OPTIONS, cubin=False,
+                   ptx=False) -> CompileResult:
     lib = ctypes.CDLL(_nvrtc_library())
     prog = ctypes.c_void_p()
 
@@ -494,6 +501,8 @@ def _compile_nvrtc(code: str, names, arch: str, options=_OPTIONS, cubin=False) -
     try:
         for n in names:
             check(lib.nvrtcAddNameExpression(prog, n.encode()), "nvrtcAddNameExpression")
+        if ptx:  # NVRTC hands out PTX for a virtual architecture only
+            arch = arch.replace("sm_", "compute_")
         opts = [f"--gpu-architecture={arch}".encode(), *(o.encode() for o in options)]
         arr = (ctypes.c_char_p * len(opts))(*opts)
         status = lib.nvrtcCompileProgram(prog, len(opts), arr)
@@ -510,28 +519,33 @@ def _compile_nvrtc(code: str, names, arch: str, options=_OPTIONS, cubin=False) -
                 if st != 0:
                     ok = False
                     log += f"\nname expression {n!r} did not resolve"
-        binary = None
-        if ok and cubin:
+        binary = text = None
+        if ok and ptx:
+            check(lib.nvrtcGetPTXSize(prog, ctypes.byref(size)), "nvrtcGetPTXSize")
+            buf = ctypes.create_string_buffer(size.value)
+            check(lib.nvrtcGetPTX(prog, buf), "nvrtcGetPTX")
+            text = buf.value.decode()
+        elif ok and cubin:
             check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
             buf = ctypes.create_string_buffer(size.value)
             check(lib.nvrtcGetCUBIN(prog, buf), "nvrtcGetCUBIN")
             binary = buf.raw
-        return CompileResult(ok, log, "nvrtc", binary)
+        return CompileResult(ok, log, "nvrtc", binary, text)
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
 def compile_check(code: str, names=(), *, backend: str | None = None, arch: str = "sm_90",
                   config: TileConfig | None = None, options=None,
-                  cubin: bool = False) -> CompileResult:
+                  cubin: bool = False, ptx: bool = False) -> CompileResult:
     """Compile ``code`` with the template instantiations ``names`` for ``arch``, with the
     tiling macros of ``config`` (default: the active configuration), or with exactly the
     compiler ``options`` given (a tuple of strings; then ``config`` is not used).
 
     ``backend``: "nvcc", "nvrtc" or None (nvcc when on PATH, else NVRTC from the
     ``nvidia-cuda-nvrtc`` wheel). ``cubin``: also return the machine code (``arch`` must
-    then be a real architecture such as sm_90). Raises ``RuntimeError`` when the backend is
-    missing.
+    then be a real architecture such as sm_90); ``ptx``: return the PTX instead (for the
+    virtual architecture of ``arch``). Raises ``RuntimeError`` when the backend is missing.
     """
     found = available_backends()
     if backend is None:
@@ -541,5 +555,5 @@ def compile_check(code: str, names=(), *, backend: str | None = None, arch: str 
     if options is None:
         options = (config or get_config()).options()
     if backend == "nvcc":
-        return _compile_nvcc(code, list(names), arch, tuple(options), cubin)
-    return _compile_nvrtc(code, list(names), arch, tuple(options), cubin)
+        return _compile_nvcc(code, list(names), arch, tuple(options), cubin, ptx)
+    return _compile_nvrtc(code, list(names), arch, tuple(options), cubin, ptx)

@@ -3,9 +3,12 @@ Double-P and the split-KV merge launch give, bit for bit, what they give without
 
 PDL changes only when a kernel is scheduled, never what it computes (each dependent
 kernel waits for the one before it in its STOCHATTN_PDL_ENTRY), so the assertions are
-exact: equal outputs and indices, over many back-to-back calls (a missing wait would show
-as a call that reads a buffer before its producer has written it), and under CUDA-graph
-capture with torch.
+exact: equal outputs and indices over many back-to-back calls, and under CUDA-graph
+capture with torch. The calls alternate between two different inputs, so that a kernel
+that read a scratch buffer before its producer wrote it would find the other input's
+values there (the allocator hands the same block to the next call) and the comparison
+would fail; and each test checks that the dependent launches really went through
+cuLaunchKernelEx, so that it cannot pass with PDL silently off.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from stochattn.cuda import _module, _sources  # noqa: E402
+from stochattn.cuda import _module, _pdl, _sources  # noqa: E402
 from stochattn.cuda.doublep import doublep_decode  # noqa: E402
 from stochattn.cuda.exact import exact_decode  # noqa: E402
+from stochattn.cuda.flash import santa_flash  # noqa: E402
 from stochattn.cuda.santa import santa_prop  # noqa: E402
 from stochattn.doublep import build_doublep_index  # noqa: E402
 
@@ -31,18 +35,33 @@ REPEATS = 20
 
 
 @pytest.fixture
-def pdl_config():
-    """Yields a function that runs its argument with PDL off, then on, and returns both."""
+def pdl_config(monkeypatch):
+    """Yields a function that runs its argument with PDL off, then on, and returns both
+    results; with PDL on at least ``min_dependent`` launches must have been dependent
+    ones (cuLaunchKernelEx with the attribute), with it off none."""
     base = _sources.get_config()
+    count = [0]
+    call = _pdl.PdlLaunch.__call__
 
-    def both(fn):
+    def counted(self, stream_ptr):
+        count[0] += 1
+        return call(self, stream_ptr)
+
+    monkeypatch.setattr(_pdl.PdlLaunch, "__call__", counted)
+
+    def both(fn, min_dependent=1):
         res = []
         for pdl in (False, True):
             prev = _sources.set_config(dataclasses.replace(base, pdl=pdl))
+            count[0] = 0
             try:
                 res.append(fn())
             finally:
                 _sources.set_config(prev)
+            if pdl:
+                assert count[0] >= min_dependent, "PDL was asked for but no launch used it"
+            else:
+                assert count[0] == 0
         return res
 
     return both
@@ -58,50 +77,65 @@ def _inputs(B=3, Hkv=2, G=4, N=5000, D=128, dtype="float16", seed=0):
     return tuple(to_device(a, dtype) for a in (q, k, v)) + (cupy.asarray(lens),)
 
 
-def _repeat(fn):
-    """REPEATS back-to-back calls without synchronising between them; every result kept."""
-    outs = [fn() for _ in range(REPEATS)]
+def _two_inputs(**kw):
+    return _inputs(seed=0, **kw), _inputs(seed=1, **kw)
+
+
+def _repeat(fn, inputs):
+    """REPEATS back-to-back calls, alternating between the input sets, without
+    synchronising between them; every result kept."""
+    outs = [fn(*inputs[i % len(inputs)]) for i in range(REPEATS)]
     cupy.cuda.get_current_stream().synchronize()
     return [_host(o) for o in outs]
 
 
 def _assert_all_equal(off, on):
-    for a in off + on:
-        for x, y in zip(off[0], a):
+    """Call i with PDL equals call i without; calls on the same input agree."""
+    assert len(off) == len(on) == REPEATS
+    for i, (a, b) in enumerate(zip(off, on)):
+        for x, y, z in zip(a, b, off[i % 2]):
             np.testing.assert_array_equal(x, y)
+            np.testing.assert_array_equal(x, z)
 
 
 @pytest.mark.parametrize("kernel", ["tc", "simt"])
 @pytest.mark.parametrize("sampler", ["systematic", "iid"])
 def test_prop_chain_is_unchanged_by_pdl(pdl_config, kernel, sampler):
-    q, k, v, lens = _inputs()
-    off, on = pdl_config(lambda: _repeat(lambda: santa_prop(
-        q, k, v, lens, budget=256, sampler=sampler, seed=3, return_indices=True, kernel=kernel)))
+    inputs = _two_inputs()
+    off, on = pdl_config(lambda: _repeat(lambda q, k, v, lens: santa_prop(
+        q, k, v, lens, budget=256, sampler=sampler, seed=3, return_indices=True, kernel=kernel),
+        inputs), min_dependent=REPEATS)
     _assert_all_equal(off, on)
 
 
 def test_prop_bernoulli_chain_is_unchanged_by_pdl(pdl_config):
-    q, k, v, lens = _inputs()
-    off, on = pdl_config(lambda: _repeat(lambda: santa_prop(
+    inputs = _two_inputs()
+    off, on = pdl_config(lambda: _repeat(lambda q, k, v, lens: santa_prop(
         q, k, v, lens, budget=128, seed=5, return_indices=True, kernel="simt",
-        scores="bernoulli", bernoulli_draws=2)))
+        scores="bernoulli", bernoulli_draws=2), inputs), min_dependent=3 * REPEATS)
     _assert_all_equal(off, on)
 
 
-def test_exact_merge_launch_is_unchanged_by_pdl(pdl_config, monkeypatch):
+@pytest.mark.parametrize("fn", [exact_decode, lambda *a, **kw: santa_flash(*a, budget=300, **kw)],
+                         ids=["exact", "flash"])
+def test_merge_launch_is_unchanged_by_pdl(pdl_config, monkeypatch, fn):
     monkeypatch.setattr(_module, "MERGE_IN_KERNEL", False)
-    q, k, v, lens = _inputs(G=3)
-    off, on = pdl_config(lambda: _repeat(lambda: exact_decode(q, k, v, lens, num_chunks=7)))
+    inputs = _two_inputs(G=3)
+    off, on = pdl_config(lambda: _repeat(lambda q, k, v, lens: fn(q, k, v, lens, num_chunks=7),
+                                         inputs), min_dependent=REPEATS)
     _assert_all_equal(off, on)
 
 
 @pytest.mark.parametrize("budget", [None, 64])
 def test_doublep_chain_is_unchanged_by_pdl(pdl_config, budget):
-    q, k, v, lens = _inputs(N=6000)
-    index = build_doublep_index(k, v, lens, n_clusters=64, iterations=3, seed=1)
-    off, on = pdl_config(lambda: _repeat(lambda: doublep_decode(
-        q, k, v, index, p1=0.95, p2=0.7, budget=budget, seed=2,
-        return_indices=budget is not None)))
+    inputs = []
+    for q, k, v, lens in _two_inputs(N=6000):
+        index = build_doublep_index(k, v, lens, n_clusters=64, iterations=3, seed=1)
+        inputs.append((q, k, v, index))
+    # a fixed token split, so that both builds merge the same partials in the same order
+    off, on = pdl_config(lambda: _repeat(lambda q, k, v, index: doublep_decode(
+        q, k, v, index, p1=0.95, p2=0.7, budget=budget, seed=2, num_chunks=4,
+        return_indices=budget is not None), inputs), min_dependent=4 * REPEATS)
     _assert_all_equal(off, on)
 
 
@@ -130,6 +164,6 @@ def test_prop_with_pdl_under_cuda_graph_capture(pdl_config):
         torch.cuda.synchronize()
         return torch.stack(outs).cpu()
 
-    eager, graphed = pdl_config(run)
+    eager, graphed = pdl_config(run, min_dependent=2)  # the warm-up and the capture
     for o in graphed:
         assert torch.equal(o, eager)
