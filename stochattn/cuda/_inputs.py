@@ -31,7 +31,8 @@ from . import _sources
 from ._arrays import CUPY, TORCH, host_values, launch_stream, ops_for, to_cupy
 
 __all__ = ["GPU_KERNEL_DTYPES", "Inputs", "gather", "cached_plan", "base_plan",
-           "seq_lens_pointer", "launch_args", "check_gpu_budget", "clear_plan_cache", "plan_cache_size", "device_scope"]
+           "seq_lens_pointer", "launch_args", "check_gpu_budget", "clear_plan_cache",
+           "plan_cache_size", "device_scope"]
 
 GPU_KERNEL_DTYPES = ("float16", "bfloat16")
 NULL = np.uint64(0)

@@ -109,8 +109,9 @@ class Packed:
     ``TileConfig.pdl`` is on): the launch goes through ``cuLaunchKernelEx`` with the
     programmatic-serialization attribute (:mod:`._pdl`), so the kernel may be scheduled
     while the one before it finishes; its ``STOCHATTN_PDL_ENTRY`` waits for that one.
-    Where the driver entry point is missing, the launch is an ordinary one (the entry's
-    wait is then a no-op)."""
+    Where the driver entry point is missing (or older than CUDA 12.3), or the machine
+    code is older than sm_90, the launch is an ordinary one (the entry's wait is then a
+    no-op, or compiled out)."""
 
     __slots__ = ("launcher", "grid", "block", "variable", "args", "vals", "_ptrs", "params",
                  "fptr", "_lock", "_float", "_pdl")
