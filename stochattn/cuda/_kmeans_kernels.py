@@ -42,7 +42,7 @@ if not hasattr(np, "row_stack"):
 from numba import config as _numba_config  # noqa: E402
 from numba import cuda  # noqa: E402
 
-from ..reference.rng import PURPOSE_KMEANS_INIT  # noqa: E402
+from ..spec import PURPOSE_KMEANS_INIT, philox4x32_10  # noqa: E402
 
 # ---- launch geometry ------------------------------------------------------------------
 
@@ -66,13 +66,8 @@ KH_TPB = 8 if SIM else 256  # threads of a keys_half block
 KH_SHARED = 4160  # float32 slots per keys_half staging array (32 rows of D = 129)
 MU_SAMPLE = 256  # the centring vector is the mean of at most this many initial centroids
 
-# ---- Philox-4x32-10 (bit for bit stochattn.reference.rng.philox4x32) -------------------
+# ---- Philox-4x32-10 (stochattn.spec.philox4x32_10, the reference's, compiled) ---------
 
-_M0 = np.uint64(0xD2511F53)
-_M1 = np.uint64(0xCD9E8D57)
-_W0 = np.uint64(0x9E3779B9)
-_W1 = np.uint64(0xBB67AE85)
-_MASK32 = np.uint64(0xFFFFFFFF)
 _S32 = np.uint64(32)
 _WORD2_PURPOSE = np.uint64(PURPOSE_KMEANS_INIT << 28)
 _F32 = np.float32
@@ -81,25 +76,17 @@ _INF = np.float32(np.inf)
 _FULL_MASK = 0xFFFFFFFF
 
 
+_philox4x32_10 = cuda.jit(device=True)(philox4x32_10)
+
+
 @cuda.jit(device=True)
 def philox_x0(c0, c1, c2, c3, k0, k1):
     """First output word of Philox-4x32-10; every argument a uint32 value held in uint64.
 
-    The 32x32 -> 64-bit products are exact in uint64; key bumps and words are masked back
-    to 32 bits, exactly as the reference does.
+    The block function is :func:`stochattn.spec.philox4x32_10`, the one the NumPy reference
+    runs (the other three words are dead code here, which the compiler drops).
     """
-    for r in range(10):
-        if r > 0:  # key schedule: Weyl bump before every round but the first
-            k0 = (k0 + _W0) & _MASK32
-            k1 = (k1 + _W1) & _MASK32
-        p0 = _M0 * c0
-        p1 = _M1 * c2
-        n0 = (p1 >> _S32) ^ c1 ^ k0
-        c1 = p1 & _MASK32
-        c2 = (p0 >> _S32) ^ c3 ^ k1
-        c3 = p0 & _MASK32
-        c0 = n0
-    return c0
+    return _philox4x32_10(c0, c1, c2, c3, k0, k1)[0]
 
 
 # ---- shared device functions ------------------------------------------------------------

@@ -30,8 +30,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import _validation as val
-from ..reference.rng import PURPOSE_CLUSTER_SAMPLER
-from ..reference.samplers import SAMPLERS
+from ..spec import PURPOSE_CLUSTER_SAMPLER, SAMPLERS
 from . import _inputs, _module, _sources
 from ._arrays import ops_for
 from ._sources import group_max

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import _validation as val
-from ..reference.samplers import SAMPLERS
+from ..spec import SAMPLERS
 from . import _inputs, _module, _sources
 from ._sources import group_max
 

@@ -99,7 +99,7 @@ if not hasattr(np, "row_stack"):
 from numba import cuda  # noqa: E402
 
 from .. import _validation as val  # noqa: E402
-from ..reference.kmeans import DEFAULT_TOL, check_tol  # noqa: E402
+from ..spec import DEFAULT_TOL, check_tol  # noqa: E402
 from . import _kmeans_cache  # noqa: E402
 from . import _kmeans_kernels as _k  # noqa: E402
 from ._kmeans_build import (  # noqa: E402

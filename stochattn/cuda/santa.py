@@ -8,8 +8,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import _validation as val
-from ..reference.rng import PURPOSE_VALUE_SAMPLER
-from ..reference.samplers import SAMPLERS
+from ..spec import PURPOSE_VALUE_SAMPLER, SAMPLERS
 from . import _inputs, _module, _sources
 from ._sources import group_max
 
