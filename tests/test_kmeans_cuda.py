@@ -34,6 +34,7 @@ from numba import cuda  # noqa: E402
 
 from stochattn.cuda import _kmeans_kernels as kk  # noqa: E402
 from stochattn.cuda import kmeans as km  # noqa: E402
+from stochattn import spec  # noqa: E402
 from stochattn.cuda.kmeans import kmeans_gpu  # noqa: E402
 from stochattn.reference.kmeans import DEFAULT_TOL, build_index, window_starts  # noqa: E402
 from stochattn.reference.rng import PURPOSE_KMEANS_INIT, random_words  # noqa: E402
@@ -165,6 +166,71 @@ def test_philox_words_match_reference(seed):
     _words_kernel[1, 32](np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32), rows, draws, out)
     ref = random_words(seed, 0, PURPOSE_KMEANS_INIT, row=rows, stream=0, draw=draws)
     np.testing.assert_array_equal(out, ref.astype(np.uint64))
+
+
+@cuda.jit
+def _blocks_kernel(c, k, out):
+    i = cuda.grid(1)
+    if i < out.shape[0]:
+        w = kk._philox4x32_10(c[i, 0], c[i, 1], c[i, 2], c[i, 3], k[0], k[1])
+        out[i, 0] = w[0]
+        out[i, 1] = w[1]
+        out[i, 2] = w[2]
+        out[i, 3] = w[3]
+
+
+def test_kernel_philox_is_the_spec_function():
+    """One Philox in Python: the kernels' device Philox is stochattn.spec.philox4x32_10
+    compiled, and run as a device function it gives the NumPy result, all four words."""
+    assert kk._philox4x32_10.py_func is spec.philox4x32_10
+    rs = np.random.default_rng(5)
+    c = rs.integers(0, 2**32, size=(40, 4), dtype=np.uint64)
+    c[:4] = 0xFFFFFFFF
+    k = np.array([0xFFFFFFFF, 0x12345678], dtype=np.uint64)
+    out = np.zeros((40, 4), dtype=np.uint64)
+    _blocks_kernel[2, 32](c, k, out)
+    expect = spec.philox4x32_10(c[:, 0], c[:, 1], c[:, 2], c[:, 3], k[0], k[1])
+    np.testing.assert_array_equal(out, np.stack(expect, axis=1))
+
+
+_PTX_SCRIPT = """
+import numpy as np
+if not hasattr(np, "row_stack"):
+    np.row_stack = np.vstack
+from numba import cuda, types
+from numba.cuda.cudadrv.error import NvvmSupportError
+from stochattn.spec import philox4x32_10
+try:
+    ptx, res = cuda.compile_ptx(philox4x32_10, (types.uint64,) * 6, device=True, cc=(9, 0))
+except NvvmSupportError as e:
+    print("NO-NVVM", e)
+else:
+    print("RESULT", res)
+    print(ptx)
+"""
+
+
+def test_spec_philox_compiles_to_ptx():
+    """numba-cuda compiles the shared Philox for sm_90 (no GPU needed, only libNVVM; a
+    subprocess, since this process may run the simulator): straight-line code, no calls."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    if proc.stdout.startswith("NO-NVVM"):
+        pytest.skip(f"libNVVM not available: {proc.stdout.strip()[:200]}")
+    assert "RESULT UniTuple(uint64 x 4)" in proc.stdout
+    assert ".target sm_90" in proc.stdout
+    body = [ln.split()[0] for ln in proc.stdout.splitlines()
+            if ln.strip() and not ln.strip().startswith(("//", ".", "{", "}", "(", ")", "$"))]
+    assert not [op for op in body if op.startswith(("bra", "call"))]  # unrolled, inlined
+    assert sum(op.startswith("mul") for op in body) >= 20  # 2 products x 10 rounds
 
 
 def test_seeding_equals_reference_bit_for_bit():

@@ -8,7 +8,10 @@ false-failure rate (ALPHA times its number of examples).
 
 from __future__ import annotations
 
+import hashlib
 import math
+import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,7 +27,10 @@ from stochattn.reference.rng import (
     random_words,
     uniforms,
 )
+from stochattn import spec
 from stochattn.reference.samplers import SAMPLERS, invert_cdf, sample_points
+
+ROOT = Path(__file__).resolve().parents[1]
 
 ALPHA = 1e-6  # p-value threshold of one chi-square test (its false-failure rate)
 
@@ -111,6 +117,121 @@ def test_philox_vectorises_like_scalar_calls():
 def test_row_limit_is_enforced():
     with pytest.raises(ValueError, match=r"row index must be below 2\*\*28, got 268435456"):
         random_words(0, 0, 0, 2**28, 0, 0)
+
+
+# ------------------------------------------------------- the one Philox (stochattn.spec)
+
+
+def _philox_ints(c, k):
+    """Philox-4x32-10 on Python ints (Random123's definition), independent of stochattn."""
+    c, (k0, k1) = list(c), k
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + 0x9E3779B9) & 0xFFFFFFFF, (k1 + 0xBB67AE85) & 0xFFFFFFFF
+        p0, p1 = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
+        c = [(p1 >> 32) ^ c[1] ^ k0, p1 & 0xFFFFFFFF, (p0 >> 32) ^ c[3] ^ k1, p0 & 0xFFFFFFFF]
+    return tuple(c)
+
+
+@pytest.mark.parametrize("counter, key, expect", KAT)
+def test_spec_philox_known_answers(counter, key, expect):
+    """spec.philox4x32_10 on NumPy uint64 scalars: Random123's vectors, uint64 results."""
+    out = spec.philox4x32_10(*(np.uint64(w) for w in counter + key))
+    assert tuple(int(w) for w in out) == expect == _philox_ints(counter, key)
+    assert all(np.asarray(w).dtype == np.uint64 for w in out)
+
+
+def test_spec_philox_matches_integer_philox_on_many_blocks():
+    """Vectorised over 20000 blocks x 16 keys (all-ones words included) without a NumPy
+    warning, every word equals the Python-int Philox; the reference's front end too."""
+    rs = np.random.default_rng(2026)
+    n = 20000
+    for t in range(16):
+        c = [rs.integers(0, 2**32, size=n, dtype=np.uint64) for _ in range(4)]
+        c[t % 4][: n // 8] = 0xFFFFFFFF
+        k = (int(rs.integers(0, 2**32)), 0xFFFFFFFF if t % 3 == 0 else int(rs.integers(0, 2**32)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = spec.philox4x32_10(*c, np.uint64(k[0]), np.uint64(k[1]))
+            ref_out = philox4x32(c, k)
+        assert all(w.dtype == np.uint64 for w in out)
+        for i in rs.integers(0, n, size=200).tolist() + list(range(4)):
+            expect = _philox_ints([int(w[i]) for w in c], k)
+            assert tuple(int(w[i]) for w in out) == expect
+            assert tuple(int(w[i]) for w in ref_out) == expect
+        for a, b in zip(out, ref_out):
+            np.testing.assert_array_equal(a, b.astype(np.uint64))
+
+
+# SHA-256 of random_words(0x0123456789ABCDEF, 0xDEADBEEF, purpose, rows, streams, draws)
+# (8 rows x 4 streams x 128 draws, little-endian uint32), recorded with the reference's own
+# Philox before the block function moved to stochattn.spec: the move changed no draw.
+WORDS_SHA256 = {
+    0: "9405c9c20f487187f7df524e05cc81a2a098a05c10fa3aff67b838a36acf6ae3",
+    1: "96719417088aa6bb14f4f12a7910014a822212725c3ec28d465c803745c467bb",
+    2: "2196fc046f7d68b846351826ec19ae1a2eb6a5aebcc2b3657f2b010c49b61c7c",
+    3: "83708cae602f435f7a0264696597a5e146c70dfccc76f534c16486c17ac13ee4",
+}
+
+
+@pytest.mark.parametrize("purpose", sorted(WORDS_SHA256))
+def test_random_words_unchanged(purpose):
+    rows = np.arange(8)[:, None, None] * 1000003 % 2**28
+    w = random_words(0x0123456789ABCDEF, 0xDEADBEEF, purpose, rows,
+                     np.arange(4)[None, :, None], np.arange(128)[None, None, :])
+    assert w.shape == (8, 4, 128) and w.dtype == np.uint32
+    assert hashlib.sha256(w.astype("<u4").tobytes()).hexdigest() == WORDS_SHA256[purpose]
+
+
+def test_reference_reexports_the_spec():
+    """Names importable from reference/ today are spec's objects, not copies."""
+    from stochattn.reference import kmeans as ref_kmeans
+    from stochattn.reference import rng as ref_rng
+    from stochattn.reference import samplers as ref_samplers
+    from stochattn.reference import santa as ref_santa
+
+    for name in ("PURPOSE_VALUE_SAMPLER", "PURPOSE_BERNOULLI", "PURPOSE_KMEANS_INIT",
+                 "PURPOSE_CLUSTER_SAMPLER"):
+        assert getattr(ref_rng, name) is getattr(spec, name)
+    assert (spec.PURPOSE_VALUE_SAMPLER, spec.PURPOSE_BERNOULLI, spec.PURPOSE_KMEANS_INIT,
+            spec.PURPOSE_CLUSTER_SAMPLER) == (0, 1, 2, 3)  # never renumbered
+    assert ref_samplers.SAMPLERS is spec.SAMPLERS == ("iid", "stratified", "systematic")
+    assert ref_santa.SCHEDULES is spec.SCHEDULES and ref_santa.SCORES is spec.SCORES
+    assert ref_kmeans.DEFAULT_TOL is spec.DEFAULT_TOL and ref_kmeans.check_tol is spec.check_tol
+    assert spec.ROW_LIMIT == 2**28 and spec.PURPOSE_LIMIT == 16
+
+
+def _imports(path):
+    """Absolute names of the modules a source file imports (relative ones resolved)."""
+    import ast
+
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            base = base[: len(base) - node.level + 1] if node.level else []
+            mod = ".".join(base + ([node.module] if node.module else []))
+            names += [mod] + [f"{mod}.{a.name}" for a in node.names]
+    return names
+
+
+@pytest.mark.parametrize("package, forbidden", [("cuda", "stochattn.reference"),
+                                                ("reference", "stochattn.cuda")])
+def test_backends_do_not_import_each_other(package, forbidden):
+    """stochattn/cuda and stochattn/reference both read stochattn.spec, never each other."""
+    files = sorted((ROOT / "stochattn" / package).rglob("*.py"))
+    assert files
+    bad = [(f.name, n) for f in files for n in _imports(f)
+           if n == forbidden or n.startswith(forbidden + ".")]
+    assert not bad
+
+
+def test_spec_imports_numpy_only():
+    mods = {n.split(".")[0] for n in _imports(ROOT / "stochattn" / "spec.py")}
+    assert mods <= {"__future__", "numbers", "numpy"}, mods
 
 
 # ------------------------------------------------------------------------- the uniforms

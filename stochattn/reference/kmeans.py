@@ -51,11 +51,10 @@ so appending one token at a time gives the same index, bit for bit, as appending
 
 from __future__ import annotations
 
-import numbers
-
 import numpy as np
 
-from .rng import PURPOSE_KMEANS_INIT, random_words
+from ..spec import DEFAULT_TOL, PURPOSE_KMEANS_INIT, check_tol
+from .rng import random_words
 
 __all__ = [
     "DEFAULT_TOL",
@@ -70,20 +69,8 @@ __all__ = [
     "cluster_csr",
 ]
 
-#: Default early-stop tolerance of the k-means (fraction of middle tokens that change
-#: cluster in a round, at or below which the centroids stop moving); see the module
-#: docstring.
-DEFAULT_TOL = 0.05
-
-
-def check_tol(tol) -> float:
-    """``tol``: a real number in [0, 1] (the k-means early-stop tolerance)."""
-    if not isinstance(tol, numbers.Real) or isinstance(tol, (bool, np.bool_)):
-        raise TypeError(f"`tol` must be a real number, got {type(tol).__name__}")
-    tol = float(tol)
-    if not 0.0 <= tol <= 1.0:  # also rejects NaN
-        raise ValueError(f"`tol` must lie in [0, 1], got {tol}")
-    return tol
+# DEFAULT_TOL and check_tol (re-exported) are defined in stochattn.spec, which the CUDA
+# backend reads too; see the module docstring for what the tolerance does.
 
 
 def window_starts(lens: np.ndarray, n_sink: int, window: int) -> np.ndarray:

@@ -21,11 +21,26 @@ Only the first output word x0 of each Philox block is used. It becomes a uniform
 open interval (0, 1) as ``u = (2 * (x0 >> 9) + 1) * 2**-24``: an odd multiple of 2**-24,
 exactly representable in float32 and float64, never 0 (so ``log(u)`` is finite) and never
 1. CUDA computes the same value with ``((x0 >> 9) * 2u + 1u) * 0x1p-24f``.
+
+The constants and the Philox block function live in :mod:`stochattn.spec`, which the CUDA
+backend reads too; this module re-exports the ``PURPOSE_*`` constants.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from ..spec import (
+    PURPOSE_BERNOULLI,
+    PURPOSE_CLUSTER_SAMPLER,
+    PURPOSE_KMEANS_INIT,
+    PURPOSE_SHIFT,
+    PURPOSE_VALUE_SAMPLER,
+    ROW_LIMIT,
+    UNIFORM_SCALE,
+    UNIFORM_SHIFT,
+    philox4x32_10,
+)
 
 __all__ = [
     "PURPOSE_VALUE_SAMPLER",
@@ -37,23 +52,11 @@ __all__ = [
     "uniforms",
 ]
 
-# Purposes: which random quantity a stream feeds. Never renumber (it changes every draw).
-PURPOSE_VALUE_SAMPLER = 0  # SANTA value stage: strata / systematic offset / iid points
-PURPOSE_BERNOULLI = 1  # Bernoulli qK^T feature masks
-PURPOSE_KMEANS_INIT = 2  # Double-P k-means seeding (random keys of a permutation)
-PURPOSE_CLUSTER_SAMPLER = 3  # Double-P with SANTA draws inside approximate clusters
+def philox4x32(counter, key):
+    """Philox-4x32-10 block function, vectorised over the leading axes.
 
-_M0 = np.uint64(0xD2511F53)
-_M1 = np.uint64(0xCD9E8D57)
-_W0 = 0x9E3779B9
-_W1 = 0xBB67AE85
-_MASK32 = np.uint64(0xFFFFFFFF)
-_SHIFT32 = np.uint64(32)
-_ROW_LIMIT = 1 << 28
-
-
-def philox4x32(counter, key, rounds: int = 10):
-    """Philox-4x32 block function, vectorised over the leading axes.
+    A NumPy front end of :func:`stochattn.spec.philox4x32_10` (the block function the Numba
+    k-means kernels compile too).
 
     Parameters
     ----------
@@ -61,8 +64,6 @@ def philox4x32(counter, key, rounds: int = 10):
         The four counter words (broadcast together).
     key : sequence of 2 int
         The two key words.
-    rounds : int
-        Number of rounds (10 for Philox-4x32-10).
 
     Returns
     -------
@@ -70,18 +71,10 @@ def philox4x32(counter, key, rounds: int = 10):
         The four output words.
     """
     c = [np.asarray(w, dtype=np.uint64) for w in np.broadcast_arrays(*counter)]
-    k0, k1 = int(key[0]) & 0xFFFFFFFF, int(key[1]) & 0xFFFFFFFF
-    for r in range(rounds):
-        if r:
-            k0 = (k0 + _W0) & 0xFFFFFFFF
-            k1 = (k1 + _W1) & 0xFFFFFFFF
-        # 32x32 -> 64-bit products are exact in uint64.
-        p0 = _M0 * c[0]
-        p1 = _M1 * c[2]
-        hi0, lo0 = p0 >> _SHIFT32, p0 & _MASK32
-        hi1, lo1 = p1 >> _SHIFT32, p1 & _MASK32
-        c = [hi1 ^ c[1] ^ np.uint64(k0), lo1, hi0 ^ c[3] ^ np.uint64(k1), lo0]
-    return tuple(w.astype(np.uint32) for w in c)
+    k0 = np.uint64(int(key[0]) & 0xFFFFFFFF)
+    k1 = np.uint64(int(key[1]) & 0xFFFFFFFF)
+    out = philox4x32_10(c[0], c[1], c[2], c[3], k0, k1)
+    return tuple(w.astype(np.uint32) for w in out)
 
 
 def _key(seed: int) -> tuple[int, int]:
@@ -108,9 +101,9 @@ def random_words(seed: int, offset: int, purpose: int, row, stream, draw):
     ndarray of uint32
     """
     row = np.asarray(row, dtype=np.uint64)
-    if row.size and int(row.max()) >= _ROW_LIMIT:
+    if row.size and int(row.max()) >= ROW_LIMIT:
         raise ValueError(f"row index must be below 2**28, got {int(row.max())}")
-    word2 = (np.uint64(purpose) << np.uint64(28)) | row
+    word2 = (np.uint64(purpose) << np.uint64(PURPOSE_SHIFT)) | row
     x0, _, _, _ = philox4x32(
         (np.asarray(draw, dtype=np.uint64), np.asarray(stream, dtype=np.uint64), word2,
          np.uint64(int(offset) & 0xFFFFFFFF)),
@@ -125,4 +118,4 @@ def uniforms(seed: int, offset: int, purpose: int, row, stream, draw) -> np.ndar
     The value is ``(2 * (x0 >> 9) + 1) * 2**-24``, exactly representable in float32.
     """
     x0 = random_words(seed, offset, purpose, row, stream, draw).astype(np.uint64)
-    return ((x0 >> np.uint64(9)) * np.uint64(2) + np.uint64(1)).astype(np.float64) * 2.0**-24
+    return ((x0 >> np.uint64(UNIFORM_SHIFT)) * np.uint64(2) + np.uint64(1)).astype(np.float64) * UNIFORM_SCALE

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .rng import PURPOSE_VALUE_SAMPLER, uniforms
+from ..spec import PURPOSE_VALUE_SAMPLER, SAMPLERS
+from .rng import uniforms
 
 __all__ = ["SAMPLERS", "sample_points", "invert_cdf"]
 
-SAMPLERS = ("iid", "stratified", "systematic")
+# SAMPLERS (re-exported) is defined in stochattn.spec, which the CUDA backend reads too.
 
 
 def sample_points(sampler: str, S: int, *, seed: int, offset: int, row, stream=0,

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..spec import SCHEDULES, SCORES
 from .common import kv_head_of, lengths, logits, masked_weights
 from .samplers import invert_cdf, sample_points
 
@@ -48,8 +49,7 @@ __all__ = [
     "santa_attention",
 ]
 
-SCHEDULES = ("global", "prop", "flash")
-SCORES = ("exact", "bernoulli")
+# SCHEDULES and SCORES (re-exported) are defined in stochattn.spec.
 
 
 @dataclass(frozen=True)
