@@ -1,4 +1,4 @@
-"""bench/plot_accuracy.py renders a sweep JSON (bench/accuracy.py's format) to a PNG.
+"""benchmarks/plot_accuracy.py renders a sweep JSON (benchmarks/accuracy.py's format) to a PNG.
 
 matplotlib comes with the ``eval`` extra, which CI installs: this test is not skipped
 without it, it fails. No statistics here: the assertions are exact properties of the file.
@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 
-from bench.accuracy import combine
-from bench.plot_accuracy import main
+from benchmarks.accuracy import combine
+from benchmarks.plot_accuracy import main
 
 
 def _run(label, family, estimator, options, losses, loss_exact, v_frac):
-    """A minimal EvalResult-like dict as bench.accuracy stores in ``runs``."""
+    """A minimal EvalResult-like dict as benchmarks.accuracy stores in ``runs``."""
     mean = sum(losses) / len(losses)
     return dict(label=label, family=family, play="hamlet", estimator=estimator,
                 options=options, loss_exact=loss_exact, loss_per_seed=losses,

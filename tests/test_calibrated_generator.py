@@ -1,4 +1,4 @@
-"""bench.calibrated: shapes, dtypes, determinism, and the calibrated statistics at 2k.
+"""stochattn.eval.calibrated: shapes, dtypes, determinism, and the calibrated statistics at 2k.
 
 The statistics test is not a statistical test: the generator is deterministic given its
 seed (fixed here), so the figures are fixed numbers, checked against stated ranges around
@@ -9,8 +9,8 @@ table changes.
 import numpy as np
 import pytest
 
-from bench.calibrated import make_calibrated_inputs
-from bench.compare_stats import stats_from_logits
+from stochattn.eval.calibrated import make_calibrated_inputs
+from stochattn.eval.compare_stats import stats_from_logits
 
 
 def _stats(q, k):

@@ -1,4 +1,4 @@
-"""bench/compare_revisions.py: the CPU half (extracting revisions, parsing cases)."""
+"""tools/compare_revisions.py: the CPU half (extracting revisions, parsing cases)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from bench.compare_revisions import ROOT, parse_cases, prepare
+from tools.compare_revisions import ROOT, parse_cases, prepare
 
 
 def test_parse_cases():
@@ -48,7 +48,7 @@ class _FakeChild:
 def test_time_revisions_streams_rows_and_keeps_failures(tmp_path, monkeypatch, capsys):
     import json
 
-    import bench.compare_revisions as cr
+    import tools.compare_revisions as cr
 
     (tmp_path / "revs.txt").write_text("aaaaaaa\nbbbbbbb\n")
     row = {"batch": 1, "context": 32768, "us": 40.0, "sdpa_us": 38.0, "floor_us": 31.6,

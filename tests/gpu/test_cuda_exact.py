@@ -69,7 +69,7 @@ def test_exact_seq_lens_and_chunks(dtype, num_chunks, kernel):
 @pytest.mark.parametrize("tiling", _sources.TC_TILINGS, ids=lambda t: t.label().replace(" ", "-"))
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_exact_tc_tilings(dtype, tiling):
-    """Every compiled tensor-core tiling (bench/tune_exact_tc.py times them): ragged lengths
+    """Every compiled tensor-core tiling (tools/tune_exact_tc.py times them): ragged lengths
     that end mid-tile, several chunks, head dims 128 and 64."""
     prev = _sources.set_tc_tiling(tiling)
     try:

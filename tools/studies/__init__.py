@@ -1,0 +1,1 @@
+"""One-off studies whose results a doc cites; kept to reproduce them."""
