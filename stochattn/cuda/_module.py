@@ -13,7 +13,7 @@ import threading
 
 import numpy as np
 
-from . import _sources
+from . import _abi, _sources
 
 __all__ = ["get_kernel", "Launcher", "Packed", "ctas_per_sm", "num_sms", "choose_chunks",
            "split_tokens", "split_kv"]
@@ -92,7 +92,9 @@ class Launcher:
 class Packed:
     """One launch configuration of a kernel with its argument buffer packed once.
 
-    ``args`` are the kernel's arguments as NumPy scalars of the exact C types; the
+    ``args`` are the kernel's arguments as NumPy scalars of the exact C types, normally a
+    :class:`._abi.Bound` from the kernel's declaration (``kernel.bind(variable_names,
+    **fixed_values)``), which carries the positions of the per-call arguments; the
     arguments at positions ``variable`` change per call (pointers, seeds, thresholds) and are
     passed to :meth:`__call__` in that order (integers as they are, floating-point values
     converted to the argument's type). Every argument lives in an
@@ -117,6 +119,10 @@ class Packed:
                  "fptr", "_lock", "_float", "_pdl")
 
     def __init__(self, launcher: Launcher, grid, block, args, variable=(), pdl: bool = False):
+        if isinstance(args, _abi.Bound):
+            if variable:
+                raise TypeError("a Bound carries its variable positions: pass no `variable`")
+            args, variable = args
         self.launcher = launcher
         self.grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
         self.block = tuple(int(b) for b in block) + (1,) * (3 - len(block))
@@ -253,10 +259,11 @@ class ChunkMerge:
         self.counters = StreamCounters(groups) if in_kernel else None
         self.merge = None
         if not in_kernel:
-            null = np.uint64(0)
-            self.merge = Packed(launcher(family, f"exact_decode_merge<{ctype}>", 0, config),
+            merge = _abi.kernel(family, "exact_decode_merge")
+            self.merge = Packed(launcher(family, merge.expr(T=ctype), 0, config),
                                 (rows,), (head_dim,),
-                                (null, null, null, np.int32(chunks), np.int32(head_dim)), range(3),
+                                merge.bind(("part_o", "part_ml", "out"), num_chunks=chunks,
+                                           D=head_dim),
                                 pdl=config.pdl)
 
     def partials(self, ops, like, stream):

@@ -68,6 +68,9 @@ HEAD_DIMS = (64, 128)
 # Register arrays are sized for GMAX query heads per KV head; G itself is a run-time value.
 GROUP_MAXES = (4, 8)
 MAX_GROUP = max(GROUP_MAXES)
+# The families whose module holds the split-KV merge kernel (exact_decode_merge).
+MERGE_FAMILIES = ("exact_decode", "exact_decode_tc", "santa_flash", "santa_flash_tc",
+                  "doublep_decode")
 
 
 
@@ -158,7 +161,6 @@ class TileConfig:
 
 
 _REDUCE_CODES = {"butterfly": 0, "scatter": 1}
-FLASH_WARP_STAGES = 8  # santa_flash.cu: kFlashStages
 # STOCHATTN_LINEINFO=1 in the environment compiles every kernel with a line table (for
 # Nsight Compute's per-line counters: ncu --import-source yes, --page source); the options
 # are part of every module and plan key, so it never mixes with a build without it.
@@ -237,6 +239,10 @@ class TcTiling:
 
     def template_args(self) -> str:
         return f"{self.warps}, {self.rows}, {self.stages}"
+
+    def params(self) -> dict:
+        """The kernels' template parameters of this tiling, by name."""
+        return dict(WARPS=self.warps, ROWS=self.rows, STAGES=self.stages)
 
     def label(self) -> str:
         return f"tc w{self.warps} r{self.rows} s{self.stages}" + (" K" if self.matrices == 1 else "")
@@ -364,66 +370,74 @@ def source_text(family: str) -> str:
     return _expand(SOURCE_DIR / FAMILIES[family], set())
 
 
+def _flash_warp_stages() -> int:
+    from . import _abi
+
+    return _abi.constant("santa_flash", "kFlashStages")
+
+
+#: Depth of a warp's K pipeline in santa_flash.cu (kFlashStages, read from the source).
+FLASH_WARP_STAGES = _flash_warp_stages()
+
+
 def name_expressions(family: str, dtypes=None) -> list:
     """Every template instantiation the Python wrappers may launch, as NVRTC name expressions
-    (``dtypes``: restrict to these element type names, e.g. ``("float16",)`` for tuning)."""
+    (``dtypes``: restrict to these element type names, e.g. ``("float16",)`` for tuning).
+
+    Built from the kernels' declarations in the sources (:func:`._abi.kernel`): this table
+    says only which template arguments are compiled."""
+    from . import _abi
+
+    def k(name):
+        return _abi.kernel(family, name)
+
     names = []
     if family == "doublep_append":  # the index's cache may also be float32
-        return [f"{kernel}<{ctype}>" for dname, ctype in APPEND_CTYPES.items()
+        return [k(kernel).expr(T=ctype) for dname, ctype in APPEND_CTYPES.items()
                 if dtypes is None or dname in dtypes
                 for kernel in ("doublep_append_score", "doublep_append")]
-    for dname, ctype in CTYPES.items():
+    for dname, T in CTYPES.items():
         if dtypes is not None and dname not in dtypes:
             continue
         if family == "exact_decode":
-            for d in HEAD_DIMS:
-                for gm in GROUP_MAXES:
-                    names.append(f"exact_decode_chunk<{ctype}, {d}, {gm}>")
-            names.append(f"exact_decode_merge<{ctype}>")
+            names += [k("exact_decode_chunk").expr(T=T, D=d, GMAX=gm)
+                      for d in HEAD_DIMS for gm in GROUP_MAXES]
         elif family == "exact_decode_tc":
-            for d in HEAD_DIMS:
-                for t in TC_TILINGS:
-                    names.append(f"exact_decode_tc_chunk<{ctype}, {d}, {t.template_args()}>")
-            names.append(f"exact_decode_merge<{ctype}>")  # included from exact_decode.cu
+            names += [k("exact_decode_tc_chunk").expr(T=T, D=d, **t.params())
+                      for d in HEAD_DIMS for t in TC_TILINGS]
         elif family == "santa_prop":
             for d in HEAD_DIMS:
                 for gm in GROUP_MAXES:
-                    names.append(f"santa_prop_logits<{ctype}, {d}, {gm}, false>")
-                    names.append(f"santa_prop_logits<{ctype}, {d}, {gm}, true>")
-                names.append(f"santa_prop_sample<{ctype}, {d}>")
-                for t in PROP_TC_TILINGS:
-                    names.append(f"santa_prop_logits_tc<{ctype}, {d}, {t.template_args()}>")
-            names.append(f"bernoulli_qhat<{ctype}>")
-            for gm in GROUP_MAXES:
-                names.append(f"bernoulli_logits_fm<{ctype}, {gm}>")
+                    names += [k("santa_prop_logits").expr(T=T, D=d, GMAX=gm, QHAT=qhat)
+                              for qhat in (False, True)]
+                names.append(k("santa_prop_sample").expr(T=T, D=d))
+                names += [k("santa_prop_logits_tc").expr(T=T, D=d, **t.params())
+                          for t in PROP_TC_TILINGS]
+            names.append(k("bernoulli_qhat").expr(T=T))
+            names += [k("bernoulli_logits_fm").expr(T=T, GMAX=gm) for gm in GROUP_MAXES]
         elif family == "santa_flash":
-            for d in HEAD_DIMS:
-                for gm in GROUP_MAXES:
-                    names.append(f"santa_flash_chunk<{ctype}, {d}, {gm}>")
-            names.append(f"exact_decode_merge<{ctype}>")  # included from exact_decode.cu
+            names += [k("santa_flash_chunk").expr(T=T, D=d, GMAX=gm)
+                      for d in HEAD_DIMS for gm in GROUP_MAXES]
         elif family == "santa_flash_tc":
-            for d in HEAD_DIMS:
-                for gm in GROUP_MAXES:
-                    for t in FLASH_TC_TILINGS:
-                        names.append(f"santa_flash_tc_chunk<{ctype}, {d}, {gm}, "
-                                     f"{t.template_args()}>")
-            names.append(f"exact_decode_merge<{ctype}>")  # included from exact_decode.cu
+            names += [k("santa_flash_tc_chunk").expr(T=T, D=d, GMAX=gm, **t.params())
+                      for d in HEAD_DIMS for gm in GROUP_MAXES for t in FLASH_TC_TILINGS]
         elif family == "doublep_decode":
             for d in HEAD_DIMS:
                 for gm in GROUP_MAXES:
-                    names += [f"doublep_cluster_logits<{ctype}, {d}, {gm}>",
-                              f"doublep_attend<{ctype}, {d}, {gm}, false>",
-                              f"doublep_attend<{ctype}, {d}, {gm}, true>",
-                              f"doublep_true_mass<{ctype}, {d}, {gm}>"]
-            names.append(f"exact_decode_merge<{ctype}>")  # included from exact_decode.cu
+                    names += [k("doublep_cluster_logits").expr(T=T, D=d, GMAX=gm),
+                              k("doublep_attend").expr(T=T, D=d, GMAX=gm, SAMPLE=False),
+                              k("doublep_attend").expr(T=T, D=d, GMAX=gm, SAMPLE=True),
+                              k("doublep_true_mass").expr(T=T, D=d, GMAX=gm)]
         else:
             raise KeyError(family)
+        if family in MERGE_FAMILIES:  # the split-KV merge (merge.cuh)
+            names.append(k("exact_decode_merge").expr(T=T))
     if family == "santa_prop":
-        names.append("santa_prop_tiles")  # not a template: one kernel for every dtype
+        names.append(k("santa_prop_tiles").expr())  # not a template: one kernel for every dtype
     if family == "doublep_decode":
-        names += ["doublep_select", "doublep_select_sorted"]
-        names += [f"doublep_rows<{gm}, {flag}>" for gm in GROUP_MAXES
-                  for flag in ("false", "true")]
+        names += [k("doublep_select").expr(), k("doublep_select_sorted").expr()]
+        names += [k("doublep_rows").expr(GMAX=gm, SAMPLE=flag) for gm in GROUP_MAXES
+                  for flag in (False, True)]
     return names
 
 

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from .. import _validation as val
-from . import _inputs, _module, _sources
+from . import _abi, _inputs, _module, _sources
 from ._sources import group_max
-from .santa import _FM_THREADS, _FM_TOKENS_PER_PASS, _QHAT_THREADS, _check_feature_major, \
+from .santa import _FAMILY, _FM_THREADS, _FM_TOKENS_PER_PASS, _QHAT_THREADS, _check_feature_major, \
     _feature_major_input, check_draws
 
 __all__ = ["bernoulli_scores_gpu"]
@@ -63,33 +61,40 @@ def bernoulli_scores_gpu(q, k, seq_lens=None, *, draws=4, group_shared=False, se
         frac = ops.empty(inp.q, (s.batch, s.q_heads), "float32")
         x = ops.empty(inp.q, (s.batch, s.q_heads, n_pad), "float32")
         x.fill_(-math.inf) if ops is _inputs.TORCH else x.fill(-math.inf)
-        p = (np.uint64(ops.ptr(qhat)), np.uint64(ops.ptr(feat)), np.uint64(ops.ptr(nfeat)))
-        _module.launcher("santa_prop", f"bernoulli_qhat<{ctype}>", 0, config)(
+        ptr = {"qhat": ops.ptr(qhat), "feat": ops.ptr(feat), "nfeat": ops.ptr(nfeat),
+               "logits": ops.ptr(x)}
+        qhat_k = _abi.kernel(_FAMILY, "bernoulli_qhat")
+        _module.launcher(_FAMILY, qhat_k.expr(T=ctype), 0, config)(
             (s.kv_heads, s.batch), (_QHAT_THREADS,),
-            (qp,) + p + (np.uint64(ops.ptr(frac)), np.int32(s.kv_heads), np.int32(s.group),
-                         np.int32(s.head_dim), np.int32(draws), np.int32(group_shared),
-                         np.float32(1.0), np.uint64(seed), np.uint32(offset)), stream)
+            qhat_k.args_of(q=qp, qhat=ptr["qhat"], feat=ptr["feat"], nfeat=ptr["nfeat"],
+                           frac=ops.ptr(frac), Hkv=s.kv_heads, G=s.group, D=s.head_dim,
+                           draws=draws, group_shared=group_shared, scale=1.0, seed=seed,
+                           offset=offset), stream)
         if k_feature_major is None:
-            name = f"santa_prop_logits<{ctype}, {s.head_dim}, {gm}, true>"
-            smem = config.smem_bytes("santa_prop", s.head_dim, gm)
-            chunks, chunk_len = _module.split_tokens("santa_prop", name, smem, config,
+            logits_k = _abi.kernel(_FAMILY, "santa_prop_logits")
+            name = logits_k.expr(T=ctype, D=s.head_dim, GMAX=gm, QHAT=True)
+            smem = config.smem_bytes(_FAMILY, s.head_dim, gm)
+            chunks, chunk_len = _module.split_tokens(_FAMILY, name, smem, config,
                                                      s.batch * s.kv_heads, s.tokens,
                                                      config.tile_rows(s.head_dim))
-            _module.launcher("santa_prop", name, smem, config)(
+            _module.launcher(_FAMILY, name, smem, config)(
                 (chunks, s.kv_heads, s.batch), (config.threads,),
-                (p[0], kp, lens, np.uint64(ops.ptr(x)), np.int32(s.kv_heads), np.int32(s.group),
-                 np.int64(s.tokens), np.int64(chunk_len), np.int64(n_pad), np.float32(1.0)), stream)
+                logits_k.args_of(qv=ptr["qhat"], k=kp, seq_lens=lens, logits=ptr["logits"],
+                                 Hkv=s.kv_heads, G=s.group, N=s.tokens, chunk_len=chunk_len,
+                                 n_pad=n_pad, scale=1.0), stream)
         else:
-            name = f"bernoulli_logits_fm<{ctype}, {gm}>"
-            chunks, chunk_len = _module.split_tokens("santa_prop", name, 0, config,
+            fm_k = _abi.kernel(_FAMILY, "bernoulli_logits_fm")
+            name = fm_k.expr(T=ctype, GMAX=gm)
+            chunks, chunk_len = _module.split_tokens(_FAMILY, name, 0, config,
                                                      s.batch * s.kv_heads, s.tokens,
                                                      _FM_TOKENS_PER_PASS)
-            _module.launcher("santa_prop", name, 0, config)(
+            _module.launcher(_FAMILY, name, 0, config)(
                 (chunks, s.kv_heads, s.batch), (_FM_THREADS,),
-                (p[0], np.uint64(ops.ptr(k_feature_major)), p[1], p[2], lens, np.uint64(ops.ptr(x)),
-                 np.int32(s.kv_heads), np.int32(s.group), np.int32(s.head_dim), np.int64(s.tokens),
-                 np.int64(ops.meta(k_feature_major)[1][-1]), np.int64(chunk_len), np.int64(n_pad)),
-                stream)
+                fm_k.args_of(qhat=ptr["qhat"], kfm=ops.ptr(k_feature_major), feat=ptr["feat"],
+                             nfeat=ptr["nfeat"], seq_lens=lens, logits=ptr["logits"],
+                             Hkv=s.kv_heads, G=s.group, D=s.head_dim, N=s.tokens,
+                             ld=ops.meta(k_feature_major)[1][-1], chunk_len=chunk_len,
+                             n_pad=n_pad), stream)
     x = x[..., :s.tokens]
     out = x.to(inp.q.dtype) if ops is _inputs.TORCH else x.astype(inp.q.dtype)
     return out, frac

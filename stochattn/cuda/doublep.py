@@ -23,6 +23,7 @@ reference does).
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from typing import NamedTuple
@@ -31,23 +32,35 @@ import numpy as np
 
 from .. import _validation as val
 from ..spec import PURPOSE_CLUSTER_SAMPLER, SAMPLERS
-from . import _inputs, _module, _sources
+from . import _abi, _inputs, _module, _sources
 from ._arrays import ops_for
 from ._sources import group_max
-from .santa import _SAMPLE_THREADS, _SAMPLER_CODE, _TILE_THREADS, _TILE_LOGITS_PER_CTA
+from .santa import _SAMPLE_THREADS, _TILE_LOGITS_PER_CTA, _TILE_THREADS, _TILES_VARIABLE, \
+    SAMPLE_VARIABLE, _layout, _align, sampler_code
 
 __all__ = ["doublep_decode", "SORT_SELECT_MAX_CLUSTERS"]
 
 #: Largest cluster count whose selection sorts the keys in shared memory (8 bytes each);
 #: above it the radix select runs. Read when a plan is made (tests set it to 0 to compare).
 SORT_SELECT_MAX_CLUSTERS = 8192
-_LOGIT_THREADS = 256  # doublep_decode.cu: kLogitThreads
-_SELECT_THREADS = 256  # doublep_decode.cu: kSelectThreads
-_SORT_THREADS = 512  # doublep_decode.cu: kSortThreads
-_SORT_MAX_CLUSTERS = 8192  # doublep_decode.cu: kSortMaxClusters
-_ROW_THREADS = 256  # doublep_decode.cu: kRowThreads
-_SLICE_TOKENS = 2048  # doublep_decode.cu: kSliceTokens
-_LIST_CAP = 1024  # doublep_decode.cu: kListCap
+_FAMILY = "doublep_decode"
+# Block sizes and capacities the kernels were compiled for (doublep_decode.cu), read from
+# the source.
+_LOGIT_THREADS = _abi.constant(_FAMILY, "kLogitThreads")
+_SELECT_THREADS = _abi.constant(_FAMILY, "kSelectThreads")
+_SORT_THREADS = _abi.constant(_FAMILY, "kSortThreads")
+_SORT_MAX_CLUSTERS = _abi.constant(_FAMILY, "kSortMaxClusters")
+_ROW_THREADS = _abi.constant(_FAMILY, "kRowThreads")
+_SLICE_TOKENS = _abi.constant(_FAMILY, "kSliceTokens")
+_LIST_CAP = _abi.constant(_FAMILY, "kListCap")
+# The per-call arguments of the packed launches, in the order the calls pass them.
+_LOGITS_VARIABLE = ("q", "centroids", "sizes", "xb")
+_SELECT_VARIABLE = ("xb", "sizes", "lens", "window_start", "codes", "stats", "rows_read",
+                    "n_sink", "p1", "p2", "counts", "count")
+_ROWS_VARIABLE = ("lens", "window_start", "labels", "codes", "rows", "hmasks", "counts",
+                  "rows_read", "n_sink", "amasks", "stash", "lens32")
+_ATTEND_VARIABLE = ("q", "k", "v", "rows", "hmasks", "counts", "codes", "xb", "sizes",
+                    "value_sums", "out", "part_o", "part_ml", "amasks", "stash")
 _CLUSTERS_PER_LOGIT_CTA = 128
 _CLUSTERS_PER_ATTEND_CTA = 1024
 #: Sampling tile of the sampled variant's CDF (santa_prop_tiles / santa_prop_sample).
@@ -210,30 +223,33 @@ class _DoublePPlan:
         D = s.head_dim
         stage = config.smem_bytes("doublep_decode", D, gm)
         self.threads = config.threads
-        fam = "doublep_decode"
+        fam = _FAMILY
+        k = functools.partial(_abi.kernel, fam)
         cap = min(s.tokens, NL)
         pairs = s.batch * s.kv_heads
         with _inputs.device_scope(self.device):
-            logits = _module.launcher(fam, f"doublep_cluster_logits<{ctype}, {D}, {gm}>", 0,
-                                      config)
+            logits = _module.launcher(fam, k("doublep_cluster_logits").expr(T=ctype, D=D, GMAX=gm),
+                                      0, config)
             self.sorted = C <= min(SORT_SELECT_MAX_CLUSTERS, _SORT_MAX_CLUSTERS)
             if self.sorted:
                 self.sort_p = max(2 * _SORT_THREADS, 1 << (C - 1).bit_length())
-                select = _module.launcher(fam, "doublep_select_sorted", 8 * self.sort_p, config)
+                select = _module.launcher(fam, k("doublep_select_sorted").expr(), 8 * self.sort_p,
+                                          config)
                 self.select_threads = _SORT_THREADS
             else:
-                select = _module.launcher(fam, "doublep_select", 0, config)
+                select = _module.launcher(fam, k("doublep_select").expr(), 0, config)
                 self.select_threads = _SELECT_THREADS
-            flag = "false" if sample is None else "true"
-            rows_k = _module.launcher(fam, f"doublep_rows<{gm}, {flag}>", 0, config)
-            name = f"doublep_attend<{ctype}, {D}, {gm}, {flag}>"
+            flag = sample is not None
+            rows_k = _module.launcher(fam, k("doublep_rows").expr(GMAX=gm, SAMPLE=flag), 0, config)
+            name = k("doublep_attend").expr(T=ctype, D=D, GMAX=gm, SAMPLE=flag)
             smem = stage + _align(_LIST_CAP * (5 if sample is None else 6), 16)
             attend = _module.launcher(fam, name, smem, config)
             cl_chunks = math.ceil(C / _CLUSTERS_PER_ATTEND_CTA) if centroid and not sample else 0
             if sample is not None:
-                tiles = _module.launcher("santa_prop", "santa_prop_tiles", 0, config)
-                sample_k = _module.launcher("santa_prop", f"santa_prop_sample<{ctype}, {D}>", 0,
-                                            config)
+                prop = functools.partial(_abi.kernel, "santa_prop")
+                tiles = _module.launcher("santa_prop", prop("santa_prop_tiles").expr(), 0, config)
+                sample_k = _module.launcher("santa_prop",
+                                            prop("santa_prop_sample").expr(T=ctype, D=D), 0, config)
             if num_chunks is None:
                 # Two waves' worth of token CTAs (a token CTA takes an equal share of its
                 # row list, so its work does not depend on where the exact tokens lie; the
@@ -249,10 +265,10 @@ class _DoublePPlan:
             self.list_off = stage
             # Partials: the token CTAs', the cluster CTAs' (centroid) or the draws' (sample).
             total = tok_chunks + cl_chunks + (sample is not None)
-            merge = (_module.launcher(fam, f"exact_decode_merge<{ctype}>", 0, config)
+            merge = (_module.launcher(fam, k("exact_decode_merge").expr(T=ctype), 0, config)
                      if total > 1 else None)
-            self.true_mass = _module.launcher(fam, f"doublep_true_mass<{ctype}, {D}, {gm}>", 0,
-                                              config)
+            self.true_mass = _module.launcher(fam, k("doublep_true_mass").expr(T=ctype, D=D, GMAX=gm),
+                                              0, config)
         self.tok_chunks, self.total = tok_chunks, total
         self.slices = max(1, math.ceil(cap / _SLICE_TOKENS))
         rows = s.batch * s.q_heads
@@ -286,52 +302,53 @@ class _DoublePPlan:
                       4 * rows * n_tiles, 8 * rows * n_tiles,
                       8 * rows * (S + 1) if sample.sampler == "iid" else 8, 4 * rows * S)
             self.grid_tiles = (rows, math.ceil(n_pad / _TILE_LOGITS_PER_CTA))
-            self.tiles_tail = (np.int32(s.q_heads), np.int64(s.tokens), np.int64(n_pad),
-                               np.int64(n_tiles), np.int32(ts))
-            self.sample_mid = (np.int32(s.q_heads), np.int32(s.group), np.int64(s.tokens),
-                               np.int64(n_pad), np.int64(n_tiles), np.int32(ts), np.int32(S),
-                               np.int32(_SAMPLER_CODE[sample.sampler]))
             self.n_pad = n_pad
             self.idx_shape = (s.batch, s.q_heads, S)
         self.offsets, self.scratch_bytes = _layout(sizes)
-        self.tail_logits = (np.int32(s.kv_heads), np.int32(s.group), np.int32(C),
-                            np.int32(_CLUSTERS_PER_LOGIT_CTA), scale_log2)
-        self.select_mid = (np.int32(s.kv_heads), np.int32(s.group), np.int32(C), np.int64(cap))
-        self.rows_tail = (np.int32(s.kv_heads), np.int32(s.group), np.int64(cap), np.int64(NL),
-                          np.int32(C))
-        self.attend_tail = (np.int32(s.kv_heads), np.int32(s.group), np.int64(s.tokens),
-                            np.int32(C), np.int32(self.slices), np.int32(tok_chunks),
-                            np.int32(_CLUSTERS_PER_ATTEND_CTA), np.int32(total),
-                            np.int32(self.list_off), scale_log2)
         self.NL = NL
+        n_pad = self.n_pad if sample is not None else 0
         # Packed launches (_module.Packed): the pointers and the per-call options (n_sink,
         # p1, p2, the count, the seed and offset) are the variable arguments.
-        z, zi, zf, P = _inputs.NULL, np.int32(0), np.float64(0.0), _module.Packed
+        P = _module.Packed
         dep = config.pdl  # every launch after the first: programmatic dependent launch
-        self.logits = P(logits, self.grid_logits, (_LOGIT_THREADS,), (z,) * 4 + self.tail_logits,
-                        range(4))
-        select_args = (z,) * 7 + self.select_mid + (zi, zf, zf, zi, zi)
+        self.logits = P(logits, self.grid_logits, (_LOGIT_THREADS,),
+                        k("doublep_cluster_logits").bind(
+                            _LOGITS_VARIABLE, Hkv=s.kv_heads, G=s.group, C=C,
+                            per_cta=_CLUSTERS_PER_LOGIT_CTA, scale_log2=scale_log2))
+        select_fixed = dict(Hkv=s.kv_heads, G=s.group, C=C, cap=cap)
         if self.sorted:
-            select_args += (np.int32(self.sort_p),)
-        self.select = P(select, self.grid_select, (self.select_threads,), select_args,
-                        tuple(range(7)) + (11, 12, 13, 14, 15), pdl=dep)
-        n_pad = np.int64(self.n_pad if sample is not None else 0)
+            select_fixed["P"] = self.sort_p
+        self.select = P(select, self.grid_select, (self.select_threads,),
+                        k("doublep_select_sorted" if self.sorted else "doublep_select").bind(
+                            _SELECT_VARIABLE, **select_fixed), pdl=dep)
         self.rows = P(rows_k, self.grid_rows, (_ROW_THREADS,),
-                      (z,) * 8 + self.rows_tail + (zi, np.int32(self.slices), z, z, n_pad, z),
-                      tuple(range(8)) + (13, 15, 16, 18), pdl=dep)
+                      k("doublep_rows").bind(_ROWS_VARIABLE, Hkv=s.kv_heads, G=s.group, cap=cap,
+                                             NL=NL, C=C, slices=self.slices, n_pad=n_pad),
+                      pdl=dep)
         self.attend = P(attend, self.grid_attend, (self.threads,),
-                        (z,) * 13 + self.attend_tail + (z, z, n_pad), tuple(range(13)) + (23, 24),
+                        k("doublep_attend").bind(
+                            _ATTEND_VARIABLE, Hkv=s.kv_heads, G=s.group, N=s.tokens, C=C,
+                            slices=self.slices, tok_chunks=tok_chunks,
+                            cl_per_chunk=_CLUSTERS_PER_ATTEND_CTA, num_chunks=total,
+                            list_off=self.list_off, scale_log2=scale_log2, n_pad=n_pad),
                         pdl=dep)
         if sample is not None:
-            self.tiles = P(tiles, self.grid_tiles, (_TILE_THREADS,), (z,) * 4 + self.tiles_tail,
-                           range(4), pdl=dep)
+            self.tiles = P(tiles, self.grid_tiles, (_TILE_THREADS,),
+                           prop("santa_prop_tiles").bind(
+                               _TILES_VARIABLE, Hq=s.q_heads, N=s.tokens, n_pad=n_pad,
+                               n_tiles=n_tiles, tile_size=ts), pdl=dep)
+            # The draws' partial is the last of the merge's `total` (purpose
+            # PURPOSE_CLUSTER_SAMPLER).
             self.sample = P(sample_k, (rows,), (_SAMPLE_THREADS,),
-                            (z,) * 10 + self.sample_mid
-                            + (np.uint64(0), np.uint32(0), np.uint32(PURPOSE_CLUSTER_SAMPLER), z, z,
-                               np.int32(total), np.int32(total - 1)),
-                            tuple(range(10)) + (18, 19, 21, 22), pdl=dep)
+                            prop("santa_prop_sample").bind(
+                                SAMPLE_VARIABLE + ("part_o", "part_ml"), Hq=s.q_heads, G=s.group,
+                                N=s.tokens, n_pad=n_pad, n_tiles=n_tiles, tile_size=ts, S=S,
+                                sampler=sampler_code(sample.sampler),
+                                purpose=PURPOSE_CLUSTER_SAMPLER, num_parts=total, part=total - 1),
+                            pdl=dep)
         self.merge = None if merge is None else P(
-            merge, self.merge_grid, (D,), (z, z, z, np.int32(total), np.int32(D)), range(3),
+            merge, self.merge_grid, (D,),
+            k("exact_decode_merge").bind(("part_o", "part_ml", "out"), num_chunks=total, D=D),
             pdl=dep)
 
     def run(self, inp, ix, n_sink, p1, p2, count, diagnostics, rng, return_indices):
@@ -397,9 +414,11 @@ class _DoublePPlan:
         qp, kp = np.uint64(ops.ptr(inp.q)), np.uint64(ops.ptr(inp.k))
         lens, ws, labels = lens_ws_labels
         self.true_mass((tm_chunks, s.kv_heads, s.batch), (_LOGIT_THREADS,),
-                       (qp, kp, lens, ws, labels, np.uint64(codes), np.uint64(ops.ptr(part)), np.int32(s.kv_heads),
-                        np.int32(s.group), np.int64(s.tokens), np.int64(self.NL), np.int32(self.C),
-                        np.int32(n_sink), np.int64(tm_len), self.scale_log2), stream)
+                       _abi.kernel(_FAMILY, "doublep_true_mass").args_of(
+                           q=ops.ptr(inp.q), k=ops.ptr(inp.k), lens=lens, window_start=ws,
+                           labels=labels, codes=codes, part=ops.ptr(part), Hkv=s.kv_heads,
+                           G=s.group, N=s.tokens, NL=self.NL, C=self.C, n_sink=n_sink,
+                           chunk_len=tm_len, scale_log2=self.scale_log2), stream)
         host = _to_host(ops, diag).view(np.uint8)
         stats = host[:32 * rows].view(np.float64).reshape(s.batch, s.q_heads, 4)
         off = _align(32 * rows)
@@ -447,15 +466,3 @@ def _to_host(ops, a) -> np.ndarray:
     if ops.name == "torch":
         return a.cpu().numpy()
     return a.get()
-
-
-def _layout(sizes):
-    offsets, total = [], 0
-    for size in sizes:
-        offsets.append(total)
-        total += _align(size)
-    return tuple(offsets), total
-
-
-def _align(nbytes: int, to: int = 256) -> int:
-    return -(-nbytes // to) * to

@@ -392,8 +392,14 @@ def build_index_gpu(k, v, seq_lens=None, *, n_clusters, iterations=10, n_sink=4,
 
 _APPEND_THREADS = 1024  # doublep_append: 32 warps (the bulk path scores with them)
 _SCORE_THREADS = 256  # doublep_append_score
-_FAST_TOKENS = 4  # doublep_append.cu: kFastTokens
 _APPEND_LAUNCHERS: dict = {}  # (device, dtype name) -> (score, append launchers, SMs)
+
+
+def _fast_tokens() -> int:
+    """Joins per append that the split kernel scores (doublep_append.cu: kFastTokens)."""
+    from . import _abi
+
+    return _abi.constant("doublep_append", "kFastTokens")
 
 
 def _append_launchers(device: int, dtype_name: str):
@@ -401,12 +407,14 @@ def _append_launchers(device: int, dtype_name: str):
     its SM count."""
     kernels = _APPEND_LAUNCHERS.get((device, dtype_name))
     if kernels is None:
-        from . import _module, _sources
+        from . import _abi, _module, _sources
 
         ctype = _sources.APPEND_CTYPES[dtype_name]
+        score, append = (_abi.kernel("doublep_append", n)
+                         for n in ("doublep_append_score", "doublep_append"))
         kernels = _APPEND_LAUNCHERS[(device, dtype_name)] = (
-            _module.launcher("doublep_append", f"doublep_append_score<{ctype}>"),
-            _module.launcher("doublep_append", f"doublep_append<{ctype}>"),
+            (score, _module.launcher("doublep_append", score.expr(T=ctype))),
+            (append, _module.launcher("doublep_append", append.expr(T=ctype))),
             _module.num_sms())
     return kernels
 
@@ -464,23 +472,25 @@ def append_gpu(index, k, v, seq_lens) -> None:
         out = ops.empty(index.seq_lens, (2, Bp), "int64")
         st = _element_strides(ops, k)
         C = int(index.centroids.shape[2])
-        score, append, sms = _append_launchers(device, api.dtype_name(k))
+        (score_k, score), (append_k, append), sms = _append_launchers(device,
+                                                                      api.dtype_name(k))
         # Split the centroid scan over enough blocks for two per SM, 64+ centroids each.
         S = max(1, min(-(-2 * sms // (B * Hkv)), -(-C // 64)))
-        partial = ops.empty(index.seq_lens, (B * Hkv * _FAST_TOKENS * S,), "int64")
-        p = lambda a: np.uint64(ops.ptr(a))  # noqa: E731
-        cache = (np.int64(st[0]), np.int64(st[1]), np.int64(st[2]), np.int64(N), p(new),
-                 p(index.seq_lens), p(index.window_start))
-        tail = (np.int32(Hkv), np.int32(C), np.int32(D), np.int64(labels.shape[-1]),
-                np.int64(index.n_sink), np.int64(index.window))
+        partial = ops.empty(index.seq_lens, (B * Hkv * _fast_tokens() * S,), "int64")
+        p = ops.ptr
+        shared = dict(sb=st[0], sh=st[1], st=st[2], n_cache=N, new_lens=p(new),
+                      old_lens=p(index.seq_lens), window_start=p(index.window_start),
+                      n_init=p(index.n_initialized), centroids=p(index.centroids),
+                      partial=p(partial), Hkv=Hkv, C=C, D=D, NL=labels.shape[-1],
+                      n_sink=index.n_sink, window=index.window)
         stream = launch_stream(ops, device)
         score.smem = append.smem = 4 * D  # one key, widened
-        score((B * Hkv, S), (_SCORE_THREADS,), (p(k),) + cache + (
-            p(index.n_initialized), p(index.centroids), p(partial)) + tail, stream)
-        append((B * Hkv,), (_APPEND_THREADS,), (p(k), p(v)) + cache + (
-            p(out), np.uint64(ops.ptr(out) + 8 * Bp), p(index.n_initialized),
-            p(index.centroids), p(index.sizes), p(index.value_sums), p(labels), p(partial),
-            np.int32(S)) + tail, stream)
+        score((B * Hkv, S), (_SCORE_THREADS,), score_k.args_of(keys=p(k), **shared), stream)
+        append((B * Hkv,), (_APPEND_THREADS,),
+               append_k.args_of(keys=p(k), values=p(v), lens_out=p(out),
+                                ws_out=ops.ptr(out) + 8 * Bp, sizes=p(index.sizes),
+                                value_sums=p(index.value_sums), labels=p(labels), S=S, **shared),
+               stream)
     # Stream-ordered after the kernels, which read the old lengths and window starts.
     index.labels, index.seq_lens, index.window_start = labels, out[0, :B], out[1, :B]
 

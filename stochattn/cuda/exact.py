@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
-from . import _inputs, _module, _sources
+from . import _abi, _inputs, _module, _sources
 
 __all__ = ["exact_decode", "KERNELS", "DEFAULT_KERNEL"]
 
@@ -19,6 +17,9 @@ __all__ = ["exact_decode", "KERNELS", "DEFAULT_KERNEL"]
 # batch 1 / 128k.
 KERNELS = ("simt", "tc")
 DEFAULT_KERNEL = "tc"
+# The chunk kernels' per-call arguments (both kernels take the same arguments); a single
+# chunk writes `out` and no partials (their pointers stay null).
+_CHUNK_VARIABLE = ("q", "k", "v", "seq_lens", "out", "part_o", "part_ml", "counters")
 
 
 def _tile_rows(head_dim: int, config=None) -> int:
@@ -108,12 +109,14 @@ class _ExactPlan:
         gm = _sources.group_max(s.group)
         if tiling is None:
             family = "exact_decode"
-            name = f"exact_decode_chunk<{ctype}, {s.head_dim}, {gm}>"
+            decl = _abi.kernel(family, "exact_decode_chunk")
+            name = decl.expr(T=ctype, D=s.head_dim, GMAX=gm)
             align, self.threads = _tile_rows(s.head_dim, config), config.threads
             smem = config.smem_bytes("exact_decode", s.head_dim, gm)
         else:
             family = "exact_decode_tc"
-            name = f"exact_decode_tc_chunk<{ctype}, {s.head_dim}, {tiling.template_args()}>"
+            decl = _abi.kernel(family, "exact_decode_tc_chunk")
+            name = decl.expr(T=ctype, D=s.head_dim, **tiling.params())
             align, self.threads = tiling.align(), tiling.threads
             smem = tiling.smem_bytes(s.head_dim)
         with _inputs.device_scope(self.device):
@@ -121,14 +124,10 @@ class _ExactPlan:
                 family, name, smem, config, s, ctype, align, num_chunks, self.threads, in_kernel)
         self.chunks, self.chunk_len = chunks, chunk_len
         self.out_shape = (s.batch, s.q_heads, s.head_dim)
-        tail = (np.int32(s.kv_heads), np.int32(s.group), np.int64(s.tokens), np.int64(chunk_len),
-                np.int32(chunks), np.float32(scale * math.log2(math.e)))
-        # Packed launches: q, k, v, seq_lens, out, partial outputs, (m, l) pairs, merge
-        # counters change per call (a single chunk writes `out` and no partials: their
-        # pointers stay null).
-        null = _inputs.NULL
-        self.chunk = _module.Packed(chunk, (chunks, s.kv_heads, s.batch), (self.threads,),
-                                    (null,) * 8 + tail, variable=range(8))
+        self.chunk = _module.Packed(
+            chunk, (chunks, s.kv_heads, s.batch), (self.threads,),
+            decl.bind(_CHUNK_VARIABLE, Hkv=s.kv_heads, G=s.group, N=s.tokens, chunk_len=chunk_len,
+                      num_chunks=chunks, scale_log2=scale * math.log2(math.e)))
 
     def run(self, inp, seq_lens, check_seq_lens):
         ops = inp.ops

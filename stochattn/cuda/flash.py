@@ -10,8 +10,9 @@ import numpy as np
 
 from .. import _validation as val
 from ..spec import SAMPLERS
-from . import _inputs, _module, _sources
+from . import _abi, _inputs, _module, _sources
 from ._sources import group_max
+from .santa import sampler_code
 
 __all__ = ["santa_flash", "FlashTileStats", "flash_diagnostics", "TILE_SIZES", "KERNELS"]
 
@@ -22,10 +23,15 @@ _FAMILY_TC = "santa_flash_tc"
 # estimator. The default stays "simt" until bench/tune_flash.py has timed "tc" on the GPU.
 KERNELS = ("simt", "tc")
 DEFAULT_KERNEL = "simt"
-_SAMPLER_CODE = {"systematic": 0, "stratified": 1, "iid": 2}  # philox.cuh: Sampler
+# The chunk kernels' per-call arguments (santa_flash_chunk and santa_flash_tc_chunk take
+# the same arguments).
+_CHUNK_VARIABLE = ("q", "k", "v", "seq_lens", "out", "part_o", "part_ml", "counters", "idx_out",
+                   "tile_m_out", "tile_l_out", "samples_out", "seed", "offset")
 # At most G * S_t <= 8 * 2**27 draws per tile share one int32 counter (santa_flash.cu).
 FLASH_MAX_BUDGET = 2**27
-TILE_SIZES = (32, 64, 128, 256)  # santa_flash.cu: powers of two up to kFlashMaxTile
+# Powers of two from 32 up to santa_flash.cu's kFlashMaxTile.
+TILE_SIZES = tuple(32 << i for i in range((_abi.constant(_FAMILY, "kFlashMaxTile") // 32)
+                                          .bit_length()))
 
 
 class FlashTileStats(NamedTuple):
@@ -183,7 +189,8 @@ class _FlashPlan:
         if tiling is None:
             family, self.threads = _FAMILY, config.threads
             smem = config.smem_bytes(_FAMILY, s.head_dim, gm, ts)
-            name = f"santa_flash_chunk<{ctype}, {s.head_dim}, {gm}>"
+            decl = _abi.kernel(family, "santa_flash_chunk")
+            name = decl.expr(T=ctype, D=s.head_dim, GMAX=gm)
         else:
             family, self.threads = _FAMILY_TC, tiling.threads
             smem = _sources.flash_tc_smem_bytes(tiling, s.head_dim, gm, ts)
@@ -192,8 +199,8 @@ class _FlashPlan:
                                  f"head_dim {s.head_dim}, {gm} heads per group) needs {smem} "
                                  f"bytes of shared memory per CTA, more than the "
                                  f"{_sources.smem_limit()} available: use a smaller tile_size")
-            name = (f"santa_flash_tc_chunk<{ctype}, {s.head_dim}, {gm}, "
-                    f"{tiling.template_args()}>")
+            decl = _abi.kernel(family, "santa_flash_tc_chunk")
+            name = decl.expr(T=ctype, D=s.head_dim, GMAX=gm, **tiling.params())
         with _inputs.device_scope(self.device):
             chunk, chunks, chunk_len, self.split = _module.split_kv(
                 family, name, smem, config, s, ctype, align, num_chunks, self.threads, in_kernel)
@@ -202,15 +209,12 @@ class _FlashPlan:
         self.idx_stride = S + n_tiles - 1  # >= T_L * ceil(S / T_L) for every T_L <= n_tiles
         self.idx_shape = (s.batch, s.q_heads, self.idx_stride)
         self.tile_shape = (s.batch, s.q_heads, n_tiles)
-        tail = (np.int32(s.kv_heads), np.int32(s.group), np.int64(s.tokens), np.int64(chunk_len),
-                np.int32(chunks), np.int32(ts), np.int64(n_tiles), np.int64(self.idx_stride),
-                np.int32(S), np.int32(_SAMPLER_CODE[sampler]), np.float32(scale))
-        # Packed launches: the 12 leading pointers (q, k, v, seq_lens, out, partials, (m, l),
-        # merge counters, indices, tile statistics) and the seed and offset change per call.
-        null = _inputs.NULL
-        self.chunk = _module.Packed(chunk, (chunks, s.kv_heads, s.batch), (self.threads,),
-                                    (null,) * 12 + tail + (np.uint64(0), np.uint32(0)),
-                                    tuple(range(12)) + (23, 24))
+        self.chunk = _module.Packed(
+            chunk, (chunks, s.kv_heads, s.batch), (self.threads,),
+            decl.bind(_CHUNK_VARIABLE, Hkv=s.kv_heads, G=s.group, N=s.tokens, chunk_len=chunk_len,
+                      num_chunks=chunks, tile_size=ts, n_tiles=n_tiles,
+                      idx_stride=self.idx_stride, S=S, sampler=sampler_code(sampler),
+                      scale=scale))
 
     def run(self, inp, seq_lens, check_seq_lens, seed, offset, want_idx, want_stats):
         ops = inp.ops

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -9,24 +10,29 @@ import numpy as np
 
 from .. import _validation as val
 from ..spec import PURPOSE_VALUE_SAMPLER, SAMPLERS
-from . import _inputs, _module, _sources
+from . import _abi, _inputs, _module, _sources
 from ._sources import group_max
 
 __all__ = ["santa_prop", "TILE_SIZES", "KERNELS"]
 
-_SAMPLE_THREADS = 256  # santa_prop.cu: kSampleThreads
-_TILE_THREADS = 256  # santa_prop.cu: kTileThreads
-# Logits per santa_prop_tiles CTA: kTileWarps * kTileChunks * kChunkLogits (santa_prop.cu).
-_TILE_LOGITS_PER_CTA = (_TILE_THREADS // 32) * 4 * 256
-_SAMPLER_CODE = {"systematic": 0, "stratified": 1, "iid": 2}  # philox.cuh: Sampler
+_FAMILY = "santa_prop"
+# Block sizes and work per CTA that the kernels were compiled for (santa_prop.cu,
+# bernoulli.cuh), read from the sources.
+_SAMPLE_THREADS = _abi.constant(_FAMILY, "kSampleThreads")
+_TILE_THREADS = _abi.constant(_FAMILY, "kTileThreads")
+_TILE_LOGITS_PER_CTA = (_abi.constant(_FAMILY, "kTileWarps") * _abi.constant(_FAMILY, "kTileChunks")
+                        * _abi.constant(_FAMILY, "kChunkLogits"))
+_QHAT_THREADS = _abi.constant(_FAMILY, "kQhatThreads")
+_FM_THREADS = _abi.constant(_FAMILY, "kFmThreads")
+_FM_TOKENS_PER_PASS = _FM_THREADS * _abi.constant(_FAMILY, "kFmTokens")
 _SCORES = ("exact", "bernoulli")
-# santa_prop_sample's trailing arguments for SANTA's own output: purpose
-# PURPOSE_VALUE_SAMPLER, no partial (part_o, part_ml null, num_parts, part).
-_VALUE_STAGE_OUT = (np.uint32(PURPOSE_VALUE_SAMPLER), _inputs.NULL, _inputs.NULL, np.int32(0),
-                    np.int32(0))
-_QHAT_THREADS = 128  # bernoulli.cuh: kQhatThreads
-_FM_THREADS = 128  # bernoulli.cuh: kFmThreads
-_FM_TOKENS_PER_PASS = _FM_THREADS * 8  # bernoulli.cuh: kFmThreads * kFmTokens
+# The per-call arguments of the packed launches: santa_prop_logits (q_hat for q with
+# Bernoulli scores), santa_prop_logits_tc, santa_prop_tiles, santa_prop_sample.
+_LOGITS_VARIABLE = ("qv", "k", "seq_lens", "logits")
+_LOGITS_TC_VARIABLE = ("q", "k", "seq_lens", "logits", "tile_m", "tile_l")
+_TILES_VARIABLE = ("logits", "seq_lens", "tile_m", "tile_l")
+SAMPLE_VARIABLE = ("v", "seq_lens", "logits", "tile_m", "tile_l", "C", "iid_points", "idx32",
+                   "idx_out", "out", "seed", "offset")
 TILE_SIZES = (32, 64, 128, 256)
 # Pass 1 with exact scores: "simt" (santa_prop_logits on the CUDA cores, then the
 # santa_prop_tiles launch) or "tc" (santa_prop_logits_tc: mma.sync, tile statistics in the
@@ -223,32 +229,36 @@ class _PropPlan:
         self.score = score
         if score.kfm_meta is not None:
             _check_feature_major(score.kfm_meta, inp, s, self.device)
+        k = functools.partial(_abi.kernel, _FAMILY)
         with _inputs.device_scope(self.device):
             if tiling is None:
-                qhat = "true" if score.bernoulli else "false"
-                name1 = f"santa_prop_logits<{ctype}, {s.head_dim}, {gm}, {qhat}>"
+                decl1 = k("santa_prop_logits")
+                name1 = decl1.expr(T=ctype, D=s.head_dim, GMAX=gm, QHAT=score.bernoulli)
                 align = config.tile_rows(s.head_dim)
             else:  # tile statistics in pass 1: chunks hold whole sampling tiles
-                name1 = f"santa_prop_logits_tc<{ctype}, {s.head_dim}, {tiling.template_args()}>"
+                decl1 = k("santa_prop_logits_tc")
+                name1 = decl1.expr(T=ctype, D=s.head_dim, **tiling.params())
                 smem1, align = tiling.smem_bytes(s.head_dim), max(tiling.align(), ts)
                 self.threads1 = tiling.threads
-            logits = _module.launcher("santa_prop", name1, smem1, config)
-            chunks, chunk_len = _module.split_tokens("santa_prop", name1, smem1, config,
+            logits = _module.launcher(_FAMILY, name1, smem1, config)
+            chunks, chunk_len = _module.split_tokens(_FAMILY, name1, smem1, config,
                                                      s.batch * s.kv_heads, s.tokens, align,
                                                      num_chunks, threads=self.threads1)
             if score.bernoulli:
-                self.qhat = _module.launcher("santa_prop", f"bernoulli_qhat<{ctype}>", 0, config)
+                self.qhat_decl = k("bernoulli_qhat")
+                self.qhat = _module.launcher(_FAMILY, self.qhat_decl.expr(T=ctype), 0, config)
             if score.kfm_meta is not None:
-                name_fm = f"bernoulli_logits_fm<{ctype}, {gm}>"
-                self.logits_fm = _module.launcher("santa_prop", name_fm, 0, config)
+                self.fm_decl = k("bernoulli_logits_fm")
+                name_fm = self.fm_decl.expr(T=ctype, GMAX=gm)
+                self.logits_fm = _module.launcher(_FAMILY, name_fm, 0, config)
                 fm_chunks, self.fm_chunk_len = _module.split_tokens(
-                    "santa_prop", name_fm, 0, config, s.batch * s.kv_heads, s.tokens,
+                    _FAMILY, name_fm, 0, config, s.batch * s.kv_heads, s.tokens,
                     _FM_TOKENS_PER_PASS, None)
                 self.grid_fm = (fm_chunks, s.kv_heads, s.batch)
-            tiles = _module.launcher("santa_prop", "santa_prop_tiles", 0, config) \
+            tiles = _module.launcher(_FAMILY, k("santa_prop_tiles").expr(), 0, config) \
                 if tiling is None else None
-            sample = _module.launcher("santa_prop", f"santa_prop_sample<{ctype}, {s.head_dim}>", 0,
-                                      config)
+            sample = _module.launcher(_FAMILY, k("santa_prop_sample").expr(T=ctype, D=s.head_dim),
+                                      0, config)
         self.chunks, self.chunk_len = chunks, chunk_len
         self.grid1 = (chunks, s.kv_heads, s.batch)
         self.grid_tiles = (rows, math.ceil(n_pad / _TILE_LOGITS_PER_CTA))
@@ -264,39 +274,37 @@ class _PropPlan:
         sizes = (4 * rows * n_pad, 4 * rows * n_tiles, 4 * rows * n_tiles, 8 * rows * n_tiles,
                  8 * rows * (S + 1) if sampler == "iid" else 8, 4 * rows * S,
                  4 * rows * s.head_dim, 4 * groups * s.head_dim, 4 * groups, 4 * rows)
-        offsets, total = [], 0
-        for size in sizes:
-            offsets.append(total)
-            total += _align(size)
-        self.offsets, self.scratch_bytes = tuple(offsets), total
-        self.tail1 = (np.int32(s.kv_heads), np.int32(s.group), np.int64(s.tokens),
-                      np.int64(chunk_len), np.int64(n_pad), np.float32(scale))
-        self.tail_tc = self.tail1[:5] + (np.int64(n_tiles), np.int32(ts), np.float32(scale))
-        self.scale = scale
+        self.offsets, self.scratch_bytes = _layout(sizes)
+        self.scale, self.n_pad = scale, n_pad
         self.frac_shape = (s.batch, s.q_heads)
-        self.tail_tiles = (np.int32(s.q_heads), np.int64(s.tokens), np.int64(n_pad),
-                           np.int64(n_tiles), np.int32(ts))
-        self.mid2 = (np.int32(s.q_heads), np.int32(s.group), np.int64(s.tokens), np.int64(n_pad),
-                     np.int64(n_tiles), np.int32(ts), np.int32(S), np.int32(_SAMPLER_CODE[sampler]))
         # Packed launches of the exact-scores path (the Bernoulli stage's simt logits launch
-        # has the same layout with q_hat for q); the leading pointers, the seed and the
-        # offset change per call.
-        null, p = _inputs.NULL, _module.Packed
+        # has the same layout with q_hat for q); the pointers, the seed and the offset
+        # change per call.
+        p = _module.Packed
+        pass1 = dict(Hkv=s.kv_heads, G=s.group, N=s.tokens, chunk_len=chunk_len, n_pad=n_pad,
+                     scale=scale)
         if tiling is not None:
-            self.logits = p(logits, self.grid1, (self.threads1,), (null,) * 6 + self.tail_tc,
-                            range(6))
+            self.logits = p(logits, self.grid1, (self.threads1,),
+                            decl1.bind(_LOGITS_TC_VARIABLE, n_tiles=n_tiles, tile_size=ts, **pass1))
         else:
             # (after the q_hat launch with Bernoulli scores: a dependent launch there)
-            self.logits = p(logits, self.grid1, (self.threads1,), (null,) * 4 + self.tail1,
-                            range(4), pdl=config.pdl and score.bernoulli)
+            self.logits = p(logits, self.grid1, (self.threads1,),
+                            decl1.bind(_LOGITS_VARIABLE, **pass1),
+                            pdl=config.pdl and score.bernoulli)
         # The second and later launches of a call may overlap the tail of the one before
         # (programmatic dependent launch, when config.pdl).
         self.tiles = None if tiles is None else p(
-            tiles, self.grid_tiles, (_TILE_THREADS,), (null,) * 4 + self.tail_tiles, range(4),
-            pdl=config.pdl)
+            tiles, self.grid_tiles, (_TILE_THREADS,),
+            k("santa_prop_tiles").bind(_TILES_VARIABLE, Hq=s.q_heads, N=s.tokens, n_pad=n_pad,
+                                       n_tiles=n_tiles, tile_size=ts), pdl=config.pdl)
+        # SANTA's own output: purpose PURPOSE_VALUE_SAMPLER, no partial.
         self.sample = p(sample, self.grid2, (_SAMPLE_THREADS,),
-                        (null,) * 10 + self.mid2 + (np.uint64(0), np.uint32(0)) + _VALUE_STAGE_OUT,
-                        tuple(range(10)) + (18, 19), pdl=config.pdl)
+                        k("santa_prop_sample").bind(
+                            SAMPLE_VARIABLE, Hq=s.q_heads, G=s.group, N=s.tokens, n_pad=n_pad,
+                            n_tiles=n_tiles, tile_size=ts, S=S, sampler=sampler_code(sampler),
+                            purpose=PURPOSE_VALUE_SAMPLER, part_o=0, part_ml=0, num_parts=0,
+                            part=0),
+                        pdl=config.pdl)
 
     def run(self, inp, seq_lens, check_seq_lens, seed, offset, return_indices, kfm):
         ops = inp.ops
@@ -319,22 +327,19 @@ class _PropPlan:
             elif not score.bernoulli:
                 self.logits(stream, qp, kp, lens, logits)
             else:
-                u64 = np.uint64
-                rng = (u64(seed), np.uint32(offset))
                 fracp = ops.ptr(frac) if frac is not None else frac_slot
-                self.qhat((s.kv_heads, s.batch), (_QHAT_THREADS,),
-                          (qp, u64(qhat), u64(feat), u64(nfeat), u64(fracp), np.int32(s.kv_heads),
-                           np.int32(s.group), np.int32(s.head_dim), np.int32(score.draws),
-                           np.int32(score.group_shared), np.float32(self.scale)) + rng, stream)
+                self.qhat((s.kv_heads, s.batch), (_QHAT_THREADS,), self.qhat_decl.args_of(
+                    q=qp, qhat=qhat, feat=feat, nfeat=nfeat, frac=fracp, Hkv=s.kv_heads,
+                    G=s.group, D=s.head_dim, draws=score.draws, group_shared=score.group_shared,
+                    scale=self.scale, seed=seed, offset=offset), stream)
                 if kfm is None:
                     self.logits(stream, qhat, kp, lens, logits)
                 else:
-                    self.logits_fm(self.grid_fm, (_FM_THREADS,),
-                                   (u64(qhat), u64(ops.ptr(kfm)), u64(feat), u64(nfeat), lens,
-                                    u64(logits), np.int32(s.kv_heads), np.int32(s.group),
-                                    np.int32(s.head_dim), np.int64(s.tokens),
-                                    np.int64(score.kfm_meta[1][-1]), np.int64(self.fm_chunk_len),
-                                    self.tail1[4]), stream)
+                    self.logits_fm(self.grid_fm, (_FM_THREADS,), self.fm_decl.args_of(
+                        qhat=qhat, kfm=ops.ptr(kfm), feat=feat, nfeat=nfeat, seq_lens=lens,
+                        logits=logits, Hkv=s.kv_heads, G=s.group, D=s.head_dim, N=s.tokens,
+                        ld=score.kfm_meta[1][-1], chunk_len=self.fm_chunk_len,
+                        n_pad=self.n_pad), stream)
             if self.tiles is not None:
                 self.tiles(stream, logits, lens, tile_m, tile_l)
             self.sample(stream, vp, lens, logits, tile_m, tile_l, C, iid, idx32, idxp, outp, seed,
@@ -355,6 +360,20 @@ def _check_feature_major(meta, inp, s, device):
     if len(shape) != 4 or tuple(shape[:3]) != want or shape[3] < s.tokens or shape[3] % 8:
         raise ValueError(f"`k_feature_major` must have shape {want + ('L',)} with L >= {s.tokens} "
                          f"a multiple of 8, got {tuple(shape)}")
+
+
+def sampler_code(sampler: str) -> int:
+    """The kernels' code of a sampler (philox.cuh: enum Sampler, SAMPLER_<NAME>)."""
+    return _abi.enum(_FAMILY, "Sampler")["SAMPLER_" + sampler.upper()]
+
+
+def _layout(sizes):
+    """``(offsets, total)`` of consecutive 256-byte aligned pieces of one scratch buffer."""
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += _align(size)
+    return tuple(offsets), total
 
 
 def _align(nbytes: int, to: int = 256) -> int:
