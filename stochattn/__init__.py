@@ -8,19 +8,35 @@ Estimators: :func:`exact_attention`, :func:`santa_attention` (SANTA / S²ANTA),
 :func:`quest_attention`, :func:`top_p_attention`, :func:`cluster_topk_attention`.
 NumPy arrays run the reference (``stochattn.reference``), GPU arrays the CUDA kernels
 (``stochattn.cuda``), which this import does not load.
+
+Each function has a plan class (:class:`SantaPlan`, :class:`ExactPlan`, ...): options and
+device checked once, then ``plan.run(q, k, v, ...)``; the functions are thin wrappers over
+cached plans (docs/plans.md).
 """
 
-from .baselines import quest_attention, top_p_attention, topk_attention
-from .bernoulli import bernoulli_scores
+from ._plan import Plan, clear_plan_cache
+from .baselines import QuestPlan, TopKPlan, TopPPlan, quest_attention, top_p_attention, topk_attention
+from .bernoulli import BernoulliPlan, bernoulli_scores
 from .diagnostics import Diagnostics
-from .doublep import DoublePIndex, build_doublep_index, cluster_topk_attention, doublep_attention
-from .exact import exact_attention
-from .santa import santa_attention
+from .doublep import (ClusterTopKPlan, DoublePIndex, DoublePPlan, build_doublep_index,
+                      cluster_topk_attention, doublep_attention)
+from .exact import ExactPlan, exact_attention
+from .santa import SantaPlan, santa_attention
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "BernoulliPlan",
+    "ClusterTopKPlan",
     "Diagnostics",
+    "DoublePPlan",
+    "ExactPlan",
+    "Plan",
+    "QuestPlan",
+    "SantaPlan",
+    "TopKPlan",
+    "TopPPlan",
+    "clear_plan_cache",
     "DoublePIndex",
     "bernoulli_scores",
     "build_doublep_index",

@@ -11,12 +11,14 @@ from __future__ import annotations
 import numpy as np
 
 from . import _validation as val
-from ._backend import backend_of, cuda_not_implemented
+from ._backend import backend_of
+from ._plan import Plan, cached_plan, device_of, no_call_arguments, renamed
 from .diagnostics import Diagnostics
 from .reference import baselines as _ref
 from .reference.common import finish, lengths, union_rows_per_kv_head
 
-__all__ = ["topk_attention", "quest_attention", "top_p_attention"]
+__all__ = ["QuestPlan", "TopKPlan", "TopPPlan", "quest_attention", "top_p_attention",
+           "topk_attention"]
 
 
 def _diagnostics(shape, lens, mask, x, k_rows_read=None) -> Diagnostics:
@@ -33,14 +35,98 @@ def _diagnostics(shape, lens, mask, x, k_rows_read=None) -> Diagnostics:
     )
 
 
-def _prepare(name, q, k, v, seq_lens, softmax_scale, what):
-    """Dispatch (NumPy only for now), shared validation, and the logit scale."""
-    backend = backend_of(q=q, k=k, v=v, seq_lens=seq_lens)
-    if backend != "numpy":
-        raise cuda_not_implemented(name, what)
-    shape = val.check_attention_inputs(q, k, v, seq_lens)
-    scale = val.check_scale(softmax_scale, shape.head_dim)
-    return shape, scale
+class _SelectionPlan(Plan):
+    """What the three selection baselines share: reference only, exact attention over a
+    selected set, the same diagnostics. Subclasses set ``function`` and ``kernel`` and
+    implement ``_select``."""
+
+    kernel = ""  # the GPU kernel this baseline lacks, for the refusal
+
+    def __init__(self, *, softmax_scale=None, check_finite=False, device="cpu", q_heads=None,
+                 kv_heads=None, head_dim=None, dtype=None):
+        if softmax_scale is not None:
+            val.check_scale(softmax_scale, 1)
+        self.softmax_scale = softmax_scale
+        self.check_finite = val.check_bool("check_finite", check_finite)
+        super().__init__(device=device, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                         dtype=dtype)
+
+    def options(self) -> dict:
+        return dict(softmax_scale=self.softmax_scale, check_finite=self.check_finite)
+
+    def _cuda_missing(self) -> list[str]:
+        return [self.kernel]
+
+    def _run(self, backend, q, k, v, seq_lens, diagnose, call):
+        no_call_arguments(call)
+        backend_of(q=q, k=k, v=v, seq_lens=seq_lens)  # host seq_lens only, for the reference
+        shape = val.check_attention_inputs(q, k, v, seq_lens)
+        scale = val.check_scale(self.softmax_scale, shape.head_dim)
+        if self.check_finite:
+            val.check_finite(q=q, k=k, v=v)
+        lens = lengths(seq_lens, shape.batch, shape.tokens)
+        out, x, mask, k_rows = self._select(q, k, v, lens, scale, shape)
+        out = finish(out, q.dtype)
+        if not diagnose:
+            return out
+        return out, _diagnostics(shape, lens, mask, x, k_rows_read=k_rows)
+
+
+class TopKPlan(_SelectionPlan):
+    """A plan of :func:`topk_attention` (``k_tokens``, ``softmax_scale``, ``check_finite``
+    as there; ``device`` and the sizes as in :class:`~stochattn.SantaPlan`). Reference only:
+    ``device="cuda"`` is refused with the reason."""
+
+    function = "topk_attention"
+    kernel = "the oracle top-k decode kernel"
+
+    def __init__(self, *, k_tokens, **common):
+        self.k_tokens = val.check_budget("k_tokens", k_tokens)
+        super().__init__(**common)
+
+    def options(self) -> dict:
+        return dict(k_tokens=self.k_tokens, **super().options())
+
+    def _select(self, q, k, v, lens, scale, shape):
+        return (*_ref.topk_attention(q, k, v, lens, scale, self.k_tokens), None)
+
+
+class QuestPlan(_SelectionPlan):
+    """A plan of :func:`quest_attention` (``k_tokens``, ``page_size``, ``softmax_scale``,
+    ``check_finite`` as there). Reference only."""
+
+    function = "quest_attention"
+    kernel = "the Quest page-selection kernel"
+
+    def __init__(self, *, k_tokens, page_size=16, **common):
+        self.k_tokens = val.check_budget("k_tokens", k_tokens)
+        self.page_size = val.check_positive_int("page_size", page_size)
+        super().__init__(**common)
+
+    def options(self) -> dict:
+        return dict(k_tokens=self.k_tokens, page_size=self.page_size, **super().options())
+
+    def _select(self, q, k, v, lens, scale, shape):
+        out, x, mask = _ref.quest_attention(q, k, v, lens, scale, self.k_tokens, self.page_size)
+        return out, x, mask, union_rows_per_kv_head(mask, shape.kv_heads)
+
+
+class TopPPlan(_SelectionPlan):
+    """A plan of :func:`top_p_attention` (``p``, ``softmax_scale``, ``check_finite`` as
+    there). Reference only."""
+
+    function = "top_p_attention"
+    kernel = "the oracle top-p decode kernel"
+
+    def __init__(self, *, p, **common):
+        self.p = val.check_probability("p", p)
+        super().__init__(**common)
+
+    def options(self) -> dict:
+        return dict(p=self.p, **super().options())
+
+    def _select(self, q, k, v, lens, scale, shape):
+        return (*_ref.top_p_attention(q, k, v, lens, scale, self.p), None)
 
 
 def topk_attention(q, k, v, seq_lens=None, *, k_tokens, softmax_scale=None, check_finite=False,
@@ -88,29 +174,21 @@ def topk_attention(q, k, v, seq_lens=None, *, k_tokens, softmax_scale=None, chec
     >>> out.shape, diag.tokens_exact.tolist()
     ((1, 4, 64), [[16, 16, 16, 16]])
     """
-    shape, scale = _prepare("topk_attention", q, k, v, seq_lens, softmax_scale,
-                            "the oracle top-k decode kernel")
-    k_tokens = val.check_budget("k_tokens", k_tokens)
-    if check_finite:
-        val.check_finite(q=q, k=k, v=v)
-    lens = lengths(seq_lens, shape.batch, shape.tokens)
-    out, x, mask = _ref.topk_attention(q, k, v, lens, scale, k_tokens)
-    out = finish(out, q.dtype)
-    if not return_diagnostics:
-        return out
-    return out, _diagnostics(shape, lens, mask, x)
+    plan = cached_plan(TopKPlan, device_of(q=q, k=k, v=v), k_tokens=k_tokens,
+                       softmax_scale=softmax_scale, check_finite=check_finite)
+    return plan.dispatch(q, k, v, seq_lens, val.check_bool("return_diagnostics", return_diagnostics), {})
 
 
-def quest_attention(q, k, v, seq_lens=None, *, budget, page_size=16, softmax_scale=None,
-                    check_finite=False, return_diagnostics=False):
+def quest_attention(q, k, v, seq_lens=None, *, k_tokens=None, page_size=16, softmax_scale=None,
+                    check_finite=False, return_diagnostics=False, budget=None):
     """Quest: exact attention over the pages with the largest logit upper bound.
 
     The cache is cut into pages of ``page_size`` tokens (the last one partial). Each page
     keeps the per-dimension minimum ``mn`` and maximum ``mx`` of its keys, and a query
     bounds every logit of the page by ``scale * sum_d max(q_d mn_d, q_d mx_d)``. Per query
-    head, the ``ceil(budget / page_size)`` pages with the largest bound (ties go to the
+    head, the ``ceil(k_tokens / page_size)`` pages with the largest bound (ties go to the
     lower page) are kept and attended exactly, renormalised. Pages are shared by the GQA
-    group; the selection is per query head. A budget of at least the sequence length gives
+    group; the selection is per query head. A ``k_tokens`` of at least the sequence length gives
     exact attention.
 
     Parameters
@@ -122,8 +200,10 @@ def quest_attention(q, k, v, seq_lens=None, *, budget, page_size=16, softmax_sca
     seq_lens : integer ndarray, shape (B,), optional
         Sequence b uses ``k[b, :, :seq_lens[b]]``; default: all N tokens. A sequence of
         length 0 yields a zero output row.
-    budget : int
-        Token budget per query head, >= 1; rounded up to whole pages.
+    k_tokens : int
+        Token budget per query head, >= 1; rounded up to whole pages. (Formerly
+        ``budget``, still accepted with a DeprecationWarning: every token-selection
+        baseline counts tokens in ``k_tokens``, while ``budget`` counts samples.)
     page_size : int
         Tokens per page, >= 1 (Quest uses 16).
     softmax_scale : float, optional
@@ -154,23 +234,18 @@ def quest_attention(q, k, v, seq_lens=None, *, budget, page_size=16, softmax_sca
     >>> from stochattn.baselines import quest_attention
     >>> rng = np.random.default_rng(0)
     >>> q = rng.standard_normal((1, 4, 64)); k = rng.standard_normal((1, 2, 100, 64))
-    >>> out, diag = quest_attention(q, k, k, budget=32, return_diagnostics=True)
+    >>> out, diag = quest_attention(q, k, k, k_tokens=32, return_diagnostics=True)
     >>> out.shape, diag.tokens_exact.tolist()
     ((1, 4, 64), [[32, 32, 32, 32]])
     """
-    shape, scale = _prepare("quest_attention", q, k, v, seq_lens, softmax_scale,
-                            "the Quest page-selection kernel")
-    budget = val.check_budget("budget", budget)
-    page_size = val.check_positive_int("page_size", page_size)
-    if check_finite:
-        val.check_finite(q=q, k=k, v=v)
-    lens = lengths(seq_lens, shape.batch, shape.tokens)
-    out, x, mask = _ref.quest_attention(q, k, v, lens, scale, budget, page_size)
-    out = finish(out, q.dtype)
-    if not return_diagnostics:
-        return out
-    rows = union_rows_per_kv_head(mask, shape.kv_heads)
-    return out, _diagnostics(shape, lens, mask, x, k_rows_read=rows)
+    if budget is not None:  # the old name of `k_tokens`
+        k_tokens = renamed("quest_attention", {"budget": budget}, {"budget": "k_tokens"},
+                           {"k_tokens": k_tokens}, {"budget": val.check_budget})["k_tokens"]
+    if k_tokens is None:
+        raise TypeError("quest_attention() missing required keyword argument: 'k_tokens'")
+    plan = cached_plan(QuestPlan, device_of(q=q, k=k, v=v), k_tokens=k_tokens,
+                       page_size=page_size, softmax_scale=softmax_scale, check_finite=check_finite)
+    return plan.dispatch(q, k, v, seq_lens, val.check_bool("return_diagnostics", return_diagnostics), {})
 
 
 def top_p_attention(q, k, v, seq_lens=None, *, p, softmax_scale=None, check_finite=False,
@@ -225,14 +300,6 @@ def top_p_attention(q, k, v, seq_lens=None, *, p, softmax_scale=None, check_fini
     >>> bool((diag.true_mass >= 0.9 - 1e-12).all())
     True
     """
-    shape, scale = _prepare("top_p_attention", q, k, v, seq_lens, softmax_scale,
-                            "the oracle top-p decode kernel")
-    p = val.check_probability("p", p)
-    if check_finite:
-        val.check_finite(q=q, k=k, v=v)
-    lens = lengths(seq_lens, shape.batch, shape.tokens)
-    out, x, mask = _ref.top_p_attention(q, k, v, lens, scale, p)
-    out = finish(out, q.dtype)
-    if not return_diagnostics:
-        return out
-    return out, _diagnostics(shape, lens, mask, x)
+    plan = cached_plan(TopPPlan, device_of(q=q, k=k, v=v), p=p, softmax_scale=softmax_scale,
+                       check_finite=check_finite)
+    return plan.dispatch(q, k, v, seq_lens, val.check_bool("return_diagnostics", return_diagnostics), {})

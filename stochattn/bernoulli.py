@@ -6,15 +6,59 @@ import numpy as np
 
 from . import _validation as val
 from ._backend import backend_of, host_floats, host_ints, in_callers_framework, require_cupy
+from ._plan import Plan, cached_plan, device_of, renamed, take_seed_offset
 from .diagnostics import Diagnostics
 from .reference import bernoulli as _ref
 from .reference.common import finish, lengths
 
-__all__ = ["bernoulli_scores"]
+__all__ = ["BernoulliPlan", "bernoulli_scores"]
 
 
-def bernoulli_scores(q, k, seq_lens=None, *, draws=4, group_shared=False, seed=0, offset=0,
-                     check_finite=False, return_diagnostics=False):
+class BernoulliPlan(Plan):
+    """A plan of :func:`bernoulli_scores` (options as there; ``device``, ``q_heads``,
+    ``kv_heads``, ``head_dim``, ``dtype`` as in :class:`~stochattn.SantaPlan`).
+
+    Calls take ``q`` and ``k`` only: ``plan.run(q, k, seq_lens=None, *, seed=0, offset=0)``
+    returns the scores (B, Hq, N); ``plan.diagnose(...)`` returns ``(scores, Diagnostics)``.
+    """
+
+    function = "bernoulli_scores"
+    needs_v = False
+
+    def __init__(self, *, bernoulli_draws=4, bernoulli_group_shared=False, check_finite=False,
+                 device="cpu", q_heads=None, kv_heads=None, head_dim=None, dtype=None):
+        self.bernoulli_draws = val.check_budget("bernoulli_draws", bernoulli_draws)
+        self.bernoulli_group_shared = val.check_bool("bernoulli_group_shared",
+                                                     bernoulli_group_shared)
+        self.check_finite = val.check_bool("check_finite", check_finite)
+        super().__init__(device=device, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                         dtype=dtype)
+
+    def options(self) -> dict:
+        return dict(bernoulli_draws=self.bernoulli_draws,
+                    bernoulli_group_shared=self.bernoulli_group_shared,
+                    check_finite=self.check_finite)
+
+    def run(self, q, k, seq_lens=None, **call):
+        return self._call(q, k, None, seq_lens, False, call)
+
+    def diagnose(self, q, k, seq_lens=None, **call):
+        return self._call(q, k, None, seq_lens, True, call)
+
+    def _run(self, backend, q, k, v, seq_lens, diagnose, call):
+        seed, offset = take_seed_offset(call)
+        if backend == "cuda":
+            return _bernoulli_cuda(q, k, seq_lens, self.bernoulli_draws,
+                                   self.bernoulli_group_shared, seed, offset, self.check_finite,
+                                   diagnose)
+        return _bernoulli_reference(q, k, seq_lens, self.bernoulli_draws,
+                                    self.bernoulli_group_shared, seed, offset, self.check_finite,
+                                    diagnose)
+
+
+def bernoulli_scores(q, k, seq_lens=None, *, bernoulli_draws=None, bernoulli_group_shared=None,
+                     seed=0, offset=0, check_finite=False, return_diagnostics=False,
+                     **deprecated):
     """Unbiased estimate of the unscaled scores q . k that reads only some key features.
 
     Per query head, with alpha = max_j |q_j| and p_j = |q_j| / alpha, each of ``draws``
@@ -50,12 +94,12 @@ def bernoulli_scores(q, k, seq_lens=None, *, draws=4, group_shared=False, seed=0
         Key cache, dtype of ``q``; query head h reads KV head ``h // (Hq // Hkv)``.
     seq_lens : integer array, shape (B,), optional
         Sequence b uses ``k[b, :, :seq_lens[b]]``; default: all N tokens.
-    draws : int
+    bernoulli_draws : int
         Number of Bernoulli draws per head, >= 1. More draws: lower variance, more
-        features read.
-    group_shared : bool
+        features read. (Formerly ``draws``, still accepted with a DeprecationWarning.)
+    bernoulli_group_shared : bool
         Share one feature pattern per KV head across its GQA group (mean group query)
-        instead of drawing one per query head.
+        instead of drawing one per query head. (Formerly ``bernoulli_group_shared``.)
     seed : int
         Seed in [0, 2**64) of the counter-based generator; same seed, same output.
     offset : int
@@ -76,14 +120,14 @@ def bernoulli_scores(q, k, seq_lens=None, *, draws=4, group_shared=False, seed=0
         matmul.
     diagnostics : Diagnostics, only when ``return_diagnostics``
         ``k_feature_fraction`` (B, Hq): fraction of the D key features read (kept by some
-        draw; the group's pattern for every head when ``group_shared``, 0 for an all-zero
+        draw; the group's pattern for every head when ``bernoulli_group_shared``, 0 for an all-zero
         q); ``k_rows_read`` (B, Hkv): ``seq_lens`` (every row is touched, in part);
         ``v_rows_read``: 0 (no value stage).
 
     Notes
     -----
     Random stream: ``u_ij = uniforms(seed, offset, PURPOSE_BERNOULLI, row, 0, i * D + j)``
-    with ``row = b * Hq + h``, or ``b * Hkv + h // G`` when ``group_shared`` (see
+    with ``row = b * Hq + h``, or ``b * Hkv + h // G`` when ``bernoulli_group_shared`` (see
     ``docs/rng.md``); feature j is kept by draw i when ``u_ij < p_j``. The uniforms are odd
     multiples of 2**-24, so the inclusion probability is p_j to within 2**-24 (a bias of
     at most ``alpha * 2**-24 * |k_j|`` per feature, below float32 rounding).
@@ -94,19 +138,30 @@ def bernoulli_scores(q, k, seq_lens=None, *, draws=4, group_shared=False, seed=0
     >>> from stochattn.bernoulli import bernoulli_scores
     >>> rng = np.random.default_rng(0)
     >>> q = rng.standard_normal((1, 4, 64)); k = rng.standard_normal((1, 2, 100, 64))
-    >>> s_hat, diag = bernoulli_scores(q, k, draws=4, seed=1, return_diagnostics=True)
+    >>> s_hat, diag = bernoulli_scores(q, k, bernoulli_draws=4, seed=1,
+    ...                               return_diagnostics=True)
     >>> s_hat.shape, diag.k_feature_fraction.shape
     ((1, 4, 100), (1, 4))
     """
-    backend = backend_of(q=q, k=k)
-    if backend == "cuda":
-        return _bernoulli_cuda(q, k, seq_lens, draws, group_shared, seed, offset, check_finite,
-                               return_diagnostics)
+    opts = dict(bernoulli_draws=bernoulli_draws, bernoulli_group_shared=bernoulli_group_shared)
+    if deprecated:
+        opts = renamed("bernoulli_scores", deprecated,
+                       {"draws": "bernoulli_draws", "group_shared": "bernoulli_group_shared"}, opts,
+                       {"draws": val.check_budget, "group_shared": val.check_bool})
+    draws, shared = opts["bernoulli_draws"], opts["bernoulli_group_shared"]
+    plan = cached_plan(BernoulliPlan, device_of(q=q, k=k),
+                       bernoulli_draws=4 if draws is None else draws,
+                       bernoulli_group_shared=False if shared is None else shared,
+                       check_finite=check_finite)
+    return plan.dispatch(q, k, None, seq_lens,
+                         val.check_bool("return_diagnostics", return_diagnostics),
+                         dict(seed=seed, offset=offset))
+
+
+def _bernoulli_reference(q, k, seq_lens, draws, group_shared, seed, offset, check_finite,
+                         return_diagnostics):
     backend_of(q=q, k=k, seq_lens=seq_lens)  # host seq_lens only, for the reference
     shape = val.check_score_inputs(q, k, seq_lens)
-    draws = val.check_budget("draws", draws)
-    group_shared = val.check_bool("group_shared", group_shared)
-    seed, offset = val.check_seed_offset(seed, offset)
     if check_finite:
         val.check_finite(q=q, k=k)
     lens = lengths(seq_lens, shape.batch, shape.tokens)

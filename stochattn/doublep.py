@@ -10,7 +10,10 @@ cache grows. The arithmetic is documented in :mod:`stochattn.reference.kmeans` a
 On GPU arrays (CuPy, PyTorch CUDA tensors) the index is built and grown on the device by
 :mod:`stochattn.cuda.doublep_index`, and the decode functions run the kernels of
 :mod:`stochattn.cuda.doublep` (``approx="centroid"`` and fixed top-k clusters; the sampled
-variant ``approx="sample"`` is reference-only so far).
+variant ``approx="sample"`` too).
+
+:class:`DoublePPlan` and :class:`ClusterTopKPlan` are the plans of the two decode functions:
+options checked once, then ``plan.run(q, k, v, seq_lens, index=index)``.
 """
 
 from __future__ import annotations
@@ -21,13 +24,15 @@ import numpy as np
 
 from . import _validation as val
 from ._backend import backend_of, in_callers_framework
+from ._plan import Plan, cached_plan, device_of, renamed
 from .diagnostics import Diagnostics
 from .reference import doublep as _ref
 from .reference import kmeans as _km
 from .reference.common import finish, lengths
-from .reference.samplers import SAMPLERS
+from .spec import SAMPLERS
 
-__all__ = ["DoublePIndex", "build_doublep_index", "doublep_attention", "cluster_topk_attention"]
+__all__ = ["ClusterTopKPlan", "DoublePIndex", "DoublePPlan", "build_doublep_index",
+           "cluster_topk_attention", "doublep_attention"]
 
 APPROX = ("centroid", "sample")
 
@@ -457,44 +462,18 @@ def doublep_attention(q, k, v, seq_lens=None, *, index, p1=0.95, p2=0.7, approx=
     >>> doublep_attention(q, k, v, index=index, approx="sample", budget=8, seed=1).shape
     (1, 4, 16)
     """
-    on_gpu = backend_of(q=q, k=k, v=v) == "cuda"
-    if not on_gpu:
-        backend_of(q=q, k=k, v=v, seq_lens=seq_lens)  # host seq_lens only, for the reference
-        shape = val.check_attention_inputs(q, k, v, seq_lens)
-    p1 = val.check_probability("p1", p1)
-    p2 = val.check_probability("p2", p2)
-    approx = val.check_choice("approx", approx, APPROX)
-    if approx == "sample":
-        if budget is None:
-            raise ValueError("`budget` is required with approx='sample' (an integer >= 1), got None")
-        budget = val.check_budget("budget", budget)
-    elif budget is not None:
-        raise ValueError(f"`budget` must be None with approx='centroid', got {budget!r}")
-    sampler = val.check_choice("sampler", sampler, SAMPLERS)
-    seed, offset = val.check_seed_offset(seed, offset)
-    if on_gpu:
-        sample = {} if approx == "centroid" else dict(budget=budget, sampler=sampler, seed=seed,
-                                                        offset=offset)
-        return _decode_cuda("doublep_attention", q, k, v, seq_lens, index, softmax_scale,
-                            check_finite, return_diagnostics, p1=p1, p2=p2, **sample)
-    scale = val.check_scale(softmax_scale, shape.head_dim)
-    lens = _check_index(index, shape, seq_lens)
-    if check_finite:
-        val.check_finite(q=q, k=k, v=v)
-    out, d = _ref.doublep_attention(q, k, v, lens, index, p1=p1, p2=p2, approx=approx,
-                                    budget=budget, sampler=sampler, seed=seed, offset=offset,
-                                    scale=scale)
-    out = finish(out, q.dtype)
-    if not return_diagnostics:
-        return out
-    return out, _diagnostics(lens, d)
+    plan = cached_plan(DoublePPlan, device_of(q=q, k=k, v=v), p1=p1, p2=p2, approx=approx,
+                       budget=budget, sampler=sampler, softmax_scale=softmax_scale,
+                       check_finite=check_finite)
+    return plan.dispatch(q, k, v, seq_lens, val.check_bool("return_diagnostics", return_diagnostics),
+                         dict(index=index, seed=seed, offset=offset))
 
 
-def cluster_topk_attention(q, k, v, seq_lens=None, *, index, clusters, softmax_scale=None,
-                           check_finite=False, return_diagnostics=False):
+def cluster_topk_attention(q, k, v, seq_lens=None, *, index, k_clusters=None, softmax_scale=None,
+                           check_finite=False, return_diagnostics=False, clusters=None):
     """Fixed top-k clusters (RetroInfer-like baseline) on a Double-P index.
 
-    The ``clusters`` non-empty clusters of largest ``xbar_i = scale q.C_i + log s_i``
+    The ``k_clusters`` non-empty clusters of largest ``xbar_i = scale q.C_i + log s_i``
     (ties to the lower index; all of them if fewer are non-empty) are computed exactly
     together with the sinks and the window, and the softmax is renormalised over them.
 
@@ -507,8 +486,9 @@ def cluster_topk_attention(q, k, v, seq_lens=None, *, index, clusters, softmax_s
     index : DoublePIndex
         GPU arrays need a GPU index and run :mod:`stochattn.cuda.doublep` (lengths: the
         index's, as in :func:`doublep_attention`).
-    clusters : int
-        Clusters kept per query head, >= 1.
+    k_clusters : int
+        Clusters kept per query head, >= 1. (Formerly ``clusters``, still accepted with a
+        DeprecationWarning.)
     softmax_scale : float, optional
         Logit scale, default ``1 / sqrt(D)``.
     check_finite : bool
@@ -530,21 +510,125 @@ def cluster_topk_attention(q, k, v, seq_lens=None, *, index, clusters, softmax_s
     >>> k = rng.standard_normal((1, 2, 300, 16)); v = rng.standard_normal((1, 2, 300, 16))
     >>> q = rng.standard_normal((1, 4, 16))
     >>> index = build_doublep_index(k, v, n_clusters=16)
-    >>> cluster_topk_attention(q, k, v, index=index, clusters=4).shape
+    >>> cluster_topk_attention(q, k, v, index=index, k_clusters=4).shape
     (1, 4, 16)
     """
-    clusters = val.check_positive_int("clusters", clusters)
-    if backend_of(q=q, k=k, v=v) == "cuda":
-        return _decode_cuda("cluster_topk_attention", q, k, v, seq_lens, index, softmax_scale,
-                            check_finite, return_diagnostics, clusters=clusters)
-    backend_of(q=q, k=k, v=v, seq_lens=seq_lens)  # host seq_lens only, for the reference
-    shape = val.check_attention_inputs(q, k, v, seq_lens)
-    scale = val.check_scale(softmax_scale, shape.head_dim)
-    lens = _check_index(index, shape, seq_lens)
-    if check_finite:
-        val.check_finite(q=q, k=k, v=v)
-    out, d = _ref.cluster_topk_attention(q, k, v, lens, index, clusters=clusters, scale=scale)
-    out = finish(out, q.dtype)
-    if not return_diagnostics:
-        return out
-    return out, _diagnostics(lens, d)
+    if clusters is not None:  # the old name of `k_clusters`
+        k_clusters = renamed("cluster_topk_attention", {"clusters": clusters},
+                             {"clusters": "k_clusters"}, {"k_clusters": k_clusters},
+                             {"clusters": val.check_positive_int})["k_clusters"]
+    if k_clusters is None:
+        raise TypeError("cluster_topk_attention() missing required keyword argument: 'k_clusters'")
+    plan = cached_plan(ClusterTopKPlan, device_of(q=q, k=k, v=v), k_clusters=k_clusters,
+                       softmax_scale=softmax_scale, check_finite=check_finite)
+    return plan.dispatch(q, k, v, seq_lens, val.check_bool("return_diagnostics", return_diagnostics),
+                         dict(index=index))
+
+
+class _DecodePlan(Plan):
+    """What the two decode plans share: the index per call, its checks, the GPU path."""
+
+    def __init__(self, *, softmax_scale=None, check_finite=False, device="cpu", q_heads=None,
+                 kv_heads=None, head_dim=None, dtype=None):
+        if softmax_scale is not None:
+            val.check_scale(softmax_scale, 1)
+        self.softmax_scale = softmax_scale
+        self.check_finite = val.check_bool("check_finite", check_finite)
+        super().__init__(device=device, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                         dtype=dtype)
+
+    def options(self) -> dict:
+        return dict(softmax_scale=self.softmax_scale, check_finite=self.check_finite)
+
+    def _take_call(self, call: dict):
+        """``(index, seed, offset)`` of a call; an index is required."""
+        if "index" not in call:
+            raise TypeError(f"`{self.function}` needs `index` (a DoublePIndex) in every call")
+        index = call.pop("index")
+        seed, offset = call.pop("seed", 0), call.pop("offset", 0)
+        if call:
+            raise TypeError(f"unexpected argument(s) {', '.join(f'`{n}`' for n in call)}; a call "
+                            "takes the arrays, `index`, `seed` and `offset`")
+        seed, offset = val.check_seed_offset(seed, offset)
+        return index, seed, offset
+
+    def _run(self, backend, q, k, v, seq_lens, diagnose, call):
+        index, seed, offset = self._take_call(call)
+        if backend == "cuda":
+            return _decode_cuda(self.function, q, k, v, seq_lens, index, self.softmax_scale,
+                                self.check_finite, diagnose, **self._kernel_options(seed, offset))
+        backend_of(q=q, k=k, v=v, seq_lens=seq_lens)  # host seq_lens only, for the reference
+        shape = val.check_attention_inputs(q, k, v, seq_lens)
+        scale = val.check_scale(self.softmax_scale, shape.head_dim)
+        lens = _check_index(index, shape, seq_lens)
+        if self.check_finite:
+            val.check_finite(q=q, k=k, v=v)
+        out, d = self._reference(q, k, v, lens, index, scale, seed, offset)
+        out = finish(out, q.dtype)
+        if not diagnose:
+            return out
+        return out, _diagnostics(lens, d)
+
+
+class DoublePPlan(_DecodePlan):
+    """A plan of :func:`doublep_attention` (``p1``, ``p2``, ``approx``, ``budget``,
+    ``sampler``, ``softmax_scale``, ``check_finite`` as there; ``device`` and the sizes as
+    in :class:`~stochattn.SantaPlan`).
+
+    Calls: ``plan.run(q, k, v, seq_lens=None, *, index, seed=0, offset=0)`` returns the
+    output (B, Hq, D); ``plan.diagnose(...)`` returns ``(output, Diagnostics)``.
+    """
+
+    function = "doublep_attention"
+
+    def __init__(self, *, p1=0.95, p2=0.7, approx="centroid", budget=None,
+                 sampler="systematic", **common):
+        self.p1 = val.check_probability("p1", p1)
+        self.p2 = val.check_probability("p2", p2)
+        self.approx = val.check_choice("approx", approx, APPROX)
+        if self.approx == "sample":
+            if budget is None:
+                raise ValueError("`budget` is required with approx='sample' (an integer >= 1), "
+                                 "got None")
+            budget = val.check_budget("budget", budget)
+        elif budget is not None:
+            raise ValueError(f"`budget` must be None with approx='centroid', got {budget!r}")
+        self.budget = budget
+        self.sampler = val.check_choice("sampler", sampler, SAMPLERS)
+        super().__init__(**common)
+
+    def options(self) -> dict:
+        return dict(p1=self.p1, p2=self.p2, approx=self.approx, budget=self.budget,
+                    sampler=self.sampler, **super().options())
+
+    def _kernel_options(self, seed, offset) -> dict:
+        if self.approx == "centroid":
+            return dict(p1=self.p1, p2=self.p2)
+        return dict(p1=self.p1, p2=self.p2, budget=self.budget, sampler=self.sampler,
+                    seed=seed, offset=offset)
+
+    def _reference(self, q, k, v, lens, index, scale, seed, offset):
+        return _ref.doublep_attention(q, k, v, lens, index, p1=self.p1, p2=self.p2,
+                                      approx=self.approx, budget=self.budget,
+                                      sampler=self.sampler, seed=seed, offset=offset, scale=scale)
+
+
+class ClusterTopKPlan(_DecodePlan):
+    """A plan of :func:`cluster_topk_attention` (``k_clusters``, ``softmax_scale``,
+    ``check_finite`` as there). Calls: ``plan.run(q, k, v, seq_lens=None, *, index)``."""
+
+    function = "cluster_topk_attention"
+
+    def __init__(self, *, k_clusters, **common):
+        self.k_clusters = val.check_positive_int("k_clusters", k_clusters)
+        super().__init__(**common)
+
+    def options(self) -> dict:
+        return dict(k_clusters=self.k_clusters, **super().options())
+
+    def _kernel_options(self, seed, offset) -> dict:
+        return dict(clusters=self.k_clusters)
+
+    def _reference(self, q, k, v, lens, index, scale, seed, offset):
+        return _ref.cluster_topk_attention(q, k, v, lens, index, clusters=self.k_clusters,
+                                           scale=scale)

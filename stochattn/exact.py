@@ -6,11 +6,51 @@ import numpy as np
 
 from . import _validation as val
 from ._backend import backend_of, host_ints, in_callers_framework, require_cupy
+from ._plan import Plan, cached_plan, device_of, no_call_arguments
 from .diagnostics import Diagnostics
 from .reference import exact as _ref
 from .reference.common import finish, lengths
 
-__all__ = ["exact_attention"]
+__all__ = ["ExactPlan", "exact_attention"]
+
+
+class ExactPlan(Plan):
+    """A plan of :func:`exact_attention` (options as there; ``device``, ``q_heads``,
+    ``kv_heads``, ``head_dim``, ``dtype`` as in :class:`~stochattn.SantaPlan`).
+
+    Calls: ``plan.run(q, k, v, seq_lens=None)`` returns the output (B, Hq, D);
+    ``plan.diagnose(...)`` returns ``(output, Diagnostics)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from stochattn import ExactPlan
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((1, 4, 64)); k = rng.standard_normal((1, 2, 100, 64))
+    >>> plan = ExactPlan(q_heads=4, kv_heads=2, head_dim=64, dtype="float64")
+    >>> plan.run(q, k, k).shape
+    (1, 4, 64)
+    """
+
+    function = "exact_attention"
+
+    def __init__(self, *, softmax_scale=None, check_finite=False, device="cpu", q_heads=None,
+                 kv_heads=None, head_dim=None, dtype=None):
+        if softmax_scale is not None:
+            val.check_scale(softmax_scale, 1)
+        self.softmax_scale = softmax_scale
+        self.check_finite = val.check_bool("check_finite", check_finite)
+        super().__init__(device=device, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                         dtype=dtype)
+
+    def options(self) -> dict:
+        return dict(softmax_scale=self.softmax_scale, check_finite=self.check_finite)
+
+    def _run(self, backend, q, k, v, seq_lens, diagnose, call):
+        no_call_arguments(call)
+        if backend == "cuda":
+            return _exact_cuda(q, k, v, seq_lens, self.softmax_scale, self.check_finite, diagnose)
+        return _exact_reference(q, k, v, seq_lens, self.softmax_scale, self.check_finite, diagnose)
 
 
 def exact_attention(q, k, v, seq_lens=None, *, softmax_scale=None, check_finite=False,
@@ -50,9 +90,12 @@ def exact_attention(q, k, v, seq_lens=None, *, softmax_scale=None, check_finite=
     >>> stochattn.exact_attention(q, k, k).shape
     (1, 4, 64)
     """
-    backend = backend_of(q=q, k=k, v=v)
-    if backend == "cuda":
-        return _exact_cuda(q, k, v, seq_lens, softmax_scale, check_finite, return_diagnostics)
+    plan = cached_plan(ExactPlan, device_of(q=q, k=k, v=v), softmax_scale=softmax_scale,
+                       check_finite=check_finite)
+    return plan.dispatch(q, k, v, seq_lens, val.check_bool("return_diagnostics", return_diagnostics), {})
+
+
+def _exact_reference(q, k, v, seq_lens, softmax_scale, check_finite, return_diagnostics):
     backend_of(q=q, k=k, v=v, seq_lens=seq_lens)  # host seq_lens only, for the reference
     shape = val.check_attention_inputs(q, k, v, seq_lens)
     scale = val.check_scale(softmax_scale, shape.head_dim)

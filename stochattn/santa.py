@@ -5,14 +5,104 @@ from __future__ import annotations
 import numpy as np
 
 from . import _validation as val
-from ._backend import (backend_of, cuda_not_implemented, host_floats, host_ints,
-                       in_callers_framework, require_cupy)
+from ._backend import host_floats, host_ints, in_callers_framework, require_cupy
+from ._plan import Plan, cached_plan, device_of, take_seed_offset
 from .diagnostics import Diagnostics
 from .reference import santa as _ref
 from .reference.common import finish, lengths, union_rows_per_kv_head
-from .reference.samplers import SAMPLERS
+from .spec import SAMPLERS, SCHEDULES, SCORES
 
-__all__ = ["santa_attention"]
+__all__ = ["SantaPlan", "santa_attention"]
+
+
+class SantaPlan(Plan):
+    """A plan of :func:`santa_attention`: its options checked once, the backend chosen.
+
+    Parameters
+    ----------
+    budget, sampler, schedule, tile_size, scores, bernoulli_draws, bernoulli_group_shared, \
+softmax_scale, check_finite
+        As in :func:`santa_attention`.
+    device : {"cpu", "cuda"}
+        ``"cpu"`` runs the NumPy reference on NumPy arrays; ``"cuda"`` the S²ANTA-prop and
+        S²ANTA-flash kernels on CuPy arrays or GPU tensors with ``__dlpack__`` (PyTorch,
+        JAX), whose results come back in the caller's framework.
+    q_heads, kv_heads, head_dim, dtype : optional
+        The sizes and dtype of the arrays the plan will see (all four or none). Given, they
+        are checked against what the backend takes when the plan is made, and every call
+        must match them.
+
+    Calls: ``plan.run(q, k, v, seq_lens=None, *, seed=0, offset=0)`` returns the output
+    (B, Hq, D); ``plan.diagnose(...)`` returns ``(output, Diagnostics)``.
+
+    Raises
+    ------
+    ValueError, TypeError
+        A bad option (the message names it), or a value the GPU kernels cannot take.
+    NotImplementedError
+        ``device="cuda"`` with options that have no GPU kernel (every reason listed).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from stochattn import SantaPlan
+    >>> plan = SantaPlan(budget=32, sampler="stratified")
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((1, 4, 64)); k = rng.standard_normal((1, 2, 1000, 64))
+    >>> plan.run(q, k, k, seed=7, offset=0).shape
+    (1, 4, 64)
+    """
+
+    function = "santa_attention"
+
+    def __init__(self, *, budget, sampler="systematic", schedule="prop", tile_size=64,
+                 scores="exact", bernoulli_draws=4, bernoulli_group_shared=False,
+                 softmax_scale=None, check_finite=False, device="cpu", q_heads=None,
+                 kv_heads=None, head_dim=None, dtype=None):
+        self.budget = val.check_budget("budget", budget)
+        self.sampler = val.check_choice("sampler", sampler, SAMPLERS)
+        self.schedule = val.check_choice("schedule", schedule, SCHEDULES)
+        self.scores = val.check_choice("scores", scores, SCORES)
+        self.tile_size = val.check_positive_int("tile_size", tile_size)
+        self.bernoulli_draws = val.check_positive_int("bernoulli_draws", bernoulli_draws)
+        self.bernoulli_group_shared = val.check_bool("bernoulli_group_shared",
+                                                     bernoulli_group_shared)
+        if softmax_scale is not None:
+            val.check_scale(softmax_scale, 1)
+        self.softmax_scale = softmax_scale
+        self.check_finite = val.check_bool("check_finite", check_finite)
+        super().__init__(device=device, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                         dtype=dtype)
+
+    def options(self) -> dict:
+        return dict(budget=self.budget, sampler=self.sampler, schedule=self.schedule,
+                    tile_size=self.tile_size, scores=self.scores,
+                    bernoulli_draws=self.bernoulli_draws,
+                    bernoulli_group_shared=self.bernoulli_group_shared,
+                    softmax_scale=self.softmax_scale, check_finite=self.check_finite)
+
+    def _cuda_missing(self) -> list[str]:
+        if self.schedule == "global":
+            return ["schedule='global'; the GPU has 'prop' and 'flash'"]
+        if self.scores != "exact" and self.schedule != "prop":
+            return ["the Bernoulli score stage with schedule='flash'; it is on the GPU with "
+                    "schedule='prop'"]
+        return []
+
+    def _check_cuda_limits(self) -> None:
+        from .cuda import _inputs, flash, santa
+
+        sizes = santa.TILE_SIZES if self.schedule == "prop" else flash.TILE_SIZES
+        if self.tile_size not in sizes:
+            raise ValueError(f"`tile_size` must be one of {sizes} on the GPU, got {self.tile_size}")
+        _inputs.check_gpu_budget(self.budget, 2**30 if self.schedule == "prop"
+                                 else flash.FLASH_MAX_BUDGET)
+
+    def _run(self, backend, q, k, v, seq_lens, diagnose, call):
+        seed, offset = take_seed_offset(call)
+        if backend == "cuda":
+            return _santa_cuda(q, k, v, seq_lens, self, seed, offset, diagnose)
+        return _santa_reference(q, k, v, seq_lens, self, seed, offset, diagnose)
 
 
 def santa_attention(q, k, v, seq_lens=None, *, budget, sampler="systematic", schedule="prop",
@@ -115,31 +205,30 @@ def santa_attention(q, k, v, seq_lens=None, *, budget, sampler="systematic", sch
     >>> out.shape, bool((diag.v_rows_read <= 64).all())
     ((1, 4, 64), True)
     """
-    backend = backend_of(q=q, k=k, v=v)
-    if backend == "cuda":
-        return _santa_cuda(q, k, v, seq_lens, budget, sampler, schedule, tile_size, seed, offset,
-                           scores, bernoulli_draws, bernoulli_group_shared, softmax_scale,
-                           check_finite, return_diagnostics)
+    plan = cached_plan(SantaPlan, device_of(q=q, k=k, v=v), budget=budget, sampler=sampler,
+                       schedule=schedule, tile_size=tile_size, scores=scores,
+                       bernoulli_draws=bernoulli_draws,
+                       bernoulli_group_shared=bernoulli_group_shared,
+                       softmax_scale=softmax_scale, check_finite=check_finite)
+    return plan.dispatch(q, k, v, seq_lens, val.check_bool("return_diagnostics", return_diagnostics),
+                         dict(seed=seed, offset=offset))
+
+
+def _santa_reference(q, k, v, seq_lens, plan, seed, offset, diagnose):
+    from ._backend import backend_of
+
     backend_of(q=q, k=k, v=v, seq_lens=seq_lens)  # host seq_lens only, for the reference
     shape = val.check_attention_inputs(q, k, v, seq_lens)
-    S = val.check_budget("budget", budget)
-    val.check_choice("sampler", sampler, SAMPLERS)
-    val.check_choice("schedule", schedule, _ref.SCHEDULES)
-    val.check_choice("scores", scores, _ref.SCORES)
-    tile_size = val.check_positive_int("tile_size", tile_size)
-    seed, offset = val.check_seed_offset(seed, offset)
-    draws = val.check_positive_int("bernoulli_draws", bernoulli_draws)
-    group_shared = val.check_bool("bernoulli_group_shared", bernoulli_group_shared)
-    scale = val.check_scale(softmax_scale, shape.head_dim)
-    if check_finite:
+    scale = val.check_scale(plan.softmax_scale, shape.head_dim)
+    if plan.check_finite:
         val.check_finite(q=q, k=k, v=v)
-
-    res = _ref.santa_attention(q, k, v, seq_lens, scale, budget=S, sampler=sampler,
-                               schedule=schedule, tile_size=tile_size, seed=seed, offset=offset,
-                               scores=scores, bernoulli_draws=draws,
-                               bernoulli_group_shared=group_shared)
+    res = _ref.santa_attention(q, k, v, seq_lens, scale, budget=plan.budget, sampler=plan.sampler,
+                               schedule=plan.schedule, tile_size=plan.tile_size, seed=seed,
+                               offset=offset, scores=plan.scores,
+                               bernoulli_draws=plan.bernoulli_draws,
+                               bernoulli_group_shared=plan.bernoulli_group_shared)
     out = finish(res.out, q.dtype)
-    if not return_diagnostics:
+    if not diagnose:
         return out
     lens = lengths(seq_lens, shape.batch, shape.tokens)
     diag = Diagnostics(
@@ -156,28 +245,22 @@ def santa_attention(q, k, v, seq_lens=None, *, budget, sampler="systematic", sch
 
 
 @in_callers_framework()
-def _santa_cuda(q, k, v, seq_lens, budget, sampler, schedule, tile_size, seed, offset, scores,
-                draws, group_shared, softmax_scale, check_finite, return_diagnostics):
-    """GPU arrays: the S²ANTA-prop (exact or Bernoulli scores) and S²ANTA-flash kernels;
-    other options say what is missing."""
-    val.check_choice("schedule", schedule, _ref.SCHEDULES)
-    val.check_choice("scores", scores, _ref.SCORES)
-    if schedule == "global":
-        raise cuda_not_implemented("santa_attention", "schedule='global'; the GPU has 'prop' and 'flash'")
-    if scores != "exact" and schedule != "prop":
-        raise cuda_not_implemented("santa_attention", "the Bernoulli score stage with "
-                                   "schedule='flash'; it is on the GPU with schedule='prop'")
+def _santa_cuda(q, k, v, seq_lens, plan, seed, offset, return_diagnostics):
+    """GPU arrays: the S²ANTA-prop (exact or Bernoulli scores) and S²ANTA-flash kernels."""
     require_cupy("santa_attention")
-    if check_finite:
+    if plan.check_finite:
         val.check_finite(q=q, k=k, v=v)
-    common = dict(budget=budget, sampler=sampler, tile_size=tile_size, seed=seed, offset=offset,
-                  softmax_scale=softmax_scale, check_seq_lens=check_finite)
-    if schedule == "prop":
+    budget = plan.budget
+    common = dict(budget=budget, sampler=plan.sampler, tile_size=plan.tile_size, seed=seed,
+                  offset=offset, softmax_scale=plan.softmax_scale,
+                  check_seq_lens=plan.check_finite)
+    if plan.schedule == "prop":
         from .cuda import santa_prop
 
-        bern = scores == "bernoulli"
+        bern = plan.scores == "bernoulli"
         if bern:
-            common.update(scores=scores, bernoulli_draws=draws, bernoulli_group_shared=group_shared,
+            common.update(scores=plan.scores, bernoulli_draws=plan.bernoulli_draws,
+                          bernoulli_group_shared=plan.bernoulli_group_shared,
                           return_feature_fraction=return_diagnostics)
         res = santa_prop(q, k, v, seq_lens, return_indices=return_diagnostics, **common)
         if not return_diagnostics:

@@ -286,7 +286,7 @@ def test_quest_attends_over_the_pages_with_largest_bounds(inputs, budget, page_s
     the union of the group's pages."""
     q, k, v, seq_lens = inputs
     scale = 1.0 / math.sqrt(q.shape[-1])
-    out, diag = quest_attention(q, k, v, seq_lens, budget=budget, page_size=page_size,
+    out, diag = quest_attention(q, k, v, seq_lens, k_tokens=budget, page_size=page_size,
                                 return_diagnostics=True)
     B, Hq, _ = q.shape
     Hkv = k.shape[1]
@@ -320,7 +320,7 @@ def test_full_budgets_equal_exact_attention(inputs, extra, page_size):
     exact = exact_attention(q, k, v, seq_lens)
     for out, diag in (
         topk_attention(q, k, v, seq_lens, k_tokens=N + extra, return_diagnostics=True),
-        quest_attention(q, k, v, seq_lens, budget=N + extra, page_size=page_size,
+        quest_attention(q, k, v, seq_lens, k_tokens=N + extra, page_size=page_size,
                         return_diagnostics=True),
         top_p_attention(q, k, v, seq_lens, p=1.0, return_diagnostics=True),
     ):

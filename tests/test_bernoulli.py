@@ -37,7 +37,10 @@ def exact_scores(q, k, seq_lens=None):
 
 
 def many(q, k, seq_lens, *, R, seed, **kw):
-    """R estimates for seeds seed, seed + 1, ... stacked on a leading axis (float64)."""
+    """R estimates for seeds seed, seed + 1, ... stacked on a leading axis (float64);
+    ``draws`` and ``group_shared`` are passed by their public names."""
+    kw = {{"draws": "bernoulli_draws", "group_shared": "bernoulli_group_shared"}.get(n, n): x
+          for n, x in kw.items()}
     return np.stack([bernoulli_scores(q, k, seq_lens, seed=(seed + r) % 2**64, **kw)
                      for r in range(R)]).astype(np.float64)
 
@@ -100,7 +103,7 @@ def test_scores_are_unbiased(inputs, draws, group_shared, seed, offset):
     assert np.all(est[:, ~valid] == -np.inf)
     assert np.all(np.isfinite(est[:, valid]))
     assert_unbiased(est[:, valid], truth[valid], alpha=ALPHA,
-                    what=f"bernoulli_scores(group_shared={group_shared}, draws={draws})")
+                    what=f"bernoulli_scores(bernoulli_group_shared={group_shared}, bernoulli_draws={draws})")
 
 
 def test_manual_restatement_matches_library():
@@ -111,7 +114,7 @@ def test_manual_restatement_matches_library():
     k = rng.standard_normal((2, 2, 5, 8))
     for group_shared in (False, True):
         for seed, offset in ((0, 0), (3, 17)):
-            got = bernoulli_scores(q, k, draws=3, group_shared=group_shared, seed=seed,
+            got = bernoulli_scores(q, k, bernoulli_draws=3, bernoulli_group_shared=group_shared, seed=seed,
                                    offset=offset)
             want = manual_estimate(q, k, draws=3, seed=seed, offset=offset,
                                    group_shared=group_shared)
@@ -192,7 +195,7 @@ def test_one_hot_query_gives_the_exact_dot_product(data, group_shared, draws, se
     q = q.reshape(B, Hq, D).astype(dtype)
     k = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1))).standard_normal(
         (B, Hkv, N, D)).astype(dtype)
-    got = bernoulli_scores(q, k, draws=draws, group_shared=group_shared, seed=seed, offset=offset)
+    got = bernoulli_scores(q, k, bernoulli_draws=draws, bernoulli_group_shared=group_shared, seed=seed, offset=offset)
     want = exact_scores(q, k).astype(dtype)
     assert got.dtype == dtype
     assert np.array_equal(got, want)
@@ -210,7 +213,7 @@ def test_zero_query_gives_zero_and_reads_nothing(group_shared):
     k = rng.standard_normal((2, 2, 5, 8))
     seq_lens = np.array([3, 5])
     for seed in range(5):
-        s, diag = bernoulli_scores(q, k, seq_lens, group_shared=group_shared, seed=seed,
+        s, diag = bernoulli_scores(q, k, seq_lens, bernoulli_group_shared=group_shared, seed=seed,
                                    return_diagnostics=True)
         assert np.all(s[0, :, :3] == 0.0) and np.all(s[0, :, 3:] == -np.inf)
         assert np.all(s[1, [0, 2, 3]] == 0.0)
@@ -228,7 +231,7 @@ def test_masked_positions_and_reproducibility(inputs, draws, group_shared, seed,
     """-inf exactly past seq_lens (all of an empty sequence), finite before; same
     (seed, offset) gives bit-identical output and diagnostics."""
     q, k, _, seq_lens = inputs
-    kw = dict(draws=draws, group_shared=group_shared, seed=seed, offset=offset,
+    kw = dict(bernoulli_draws=draws, bernoulli_group_shared=group_shared, seed=seed, offset=offset,
               return_diagnostics=True)
     s1, d1 = bernoulli_scores(q, k, seq_lens, **kw)
     s2, d2 = bernoulli_scores(q, k, seq_lens, **kw)
@@ -249,7 +252,7 @@ def test_seed_offset_and_row_select_independent_patterns():
     for other in (dict(seed=6, offset=9), dict(seed=5, offset=10), dict(seed=5 + 2**32, offset=9)):
         assert not np.array_equal(bernoulli_scores(q, k, **other), base)
     assert not np.array_equal(base[0, 0], base[0, 1])  # rows b * Hq + h are independent
-    shared = bernoulli_scores(q, k, seed=5, offset=9, group_shared=True)
+    shared = bernoulli_scores(q, k, seed=5, offset=9, bernoulli_group_shared=True)
     assert np.array_equal(shared[0, 0], shared[0, 1])
 
 
@@ -260,9 +263,9 @@ def test_shared_pattern_of_a_single_head_group_is_the_per_head_pattern(q, draws,
     so both variants keep the same features and agree to rounding of the weights."""
     q = np.array(q)[None, None, :]
     k = np.random.default_rng(seed % 2**32).standard_normal((1, 1, 5, q.shape[-1]))
-    kw = dict(draws=draws, seed=seed, offset=offset, return_diagnostics=True)
+    kw = dict(bernoulli_draws=draws, seed=seed, offset=offset, return_diagnostics=True)
     a, da = bernoulli_scores(q, k, **kw)
-    b, db = bernoulli_scores(q, k, group_shared=True, **kw)
+    b, db = bernoulli_scores(q, k, bernoulli_group_shared=True, **kw)
     np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-13 * np.abs(q).max())
     assert np.array_equal(da.k_feature_fraction, db.k_feature_fraction)
 
@@ -274,7 +277,7 @@ def counts_from_identity_keys(q, *, draws, seed, offset=0):
     """
     D = q.shape[-1]
     k = np.eye(D)[None, None].repeat(q.shape[1], axis=1)
-    s, diag = bernoulli_scores(q, k, draws=draws, seed=seed, offset=offset,
+    s, diag = bernoulli_scores(q, k, bernoulli_draws=draws, seed=seed, offset=offset,
                                return_diagnostics=True)
     alpha = np.abs(q).max(axis=-1, keepdims=True)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -368,7 +371,7 @@ def test_feature_fraction_is_the_fraction_of_features_read(data, group_shared, d
     q[q == 0] = 1.0  # every feature non-zero, so weight 0 <=> feature not drawn
     k = np.broadcast_to(np.eye(D), (B, Hkv, D, D))
     seq_lens = np.full(B, D)
-    s, diag = bernoulli_scores(q, k, seq_lens, draws=draws, group_shared=group_shared,
+    s, diag = bernoulli_scores(q, k, seq_lens, bernoulli_draws=draws, bernoulli_group_shared=group_shared,
                                seed=seed, return_diagnostics=True)
     fraction = diag.k_feature_fraction
     assert fraction.shape == (B, Hkv * G) and fraction.dtype == np.float64
@@ -390,7 +393,7 @@ def test_reference_and_public_function_agree_for_each_dtype():
         k = rng.standard_normal((2, 2, 6, 8)).astype(dtype)
         seq_lens = np.array([6, 2], dtype=np.int32)
         for group_shared in (False, True):
-            got, diag = bernoulli_scores(q, k, seq_lens, draws=3, group_shared=group_shared,
+            got, diag = bernoulli_scores(q, k, seq_lens, bernoulli_draws=3, bernoulli_group_shared=group_shared,
                                          seed=8, offset=2, return_diagnostics=True)
             ref, fraction = estimate_scores(q, k, np.array([6, 2]), draws=3,
                                             group_shared=group_shared, seed=8, offset=2)
@@ -406,6 +409,18 @@ def test_reference_and_public_function_agree_for_each_dtype():
 def _qk(dtype=np.float64):
     rng = np.random.default_rng(0)
     return rng.standard_normal((1, 2, 4)).astype(dtype), rng.standard_normal((1, 1, 3, 4)).astype(dtype)
+
+
+def test_old_parameter_names_still_work_and_warn():
+    q, k = Q[:, :1], K
+    new = bernoulli_scores(q, k, bernoulli_draws=2, bernoulli_group_shared=True, seed=3)
+    with pytest.warns(DeprecationWarning, match=r"`draws` is now called `bernoulli_draws`"):
+        old = bernoulli_scores(q, k, draws=2, group_shared=True, seed=3)
+    assert np.array_equal(old, new)
+    with pytest.raises(TypeError, match=r"got both `bernoulli_draws` and its old name `draws`"):
+        bernoulli_scores(q, k, draws=2, bernoulli_draws=2)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'drawz'"):
+        bernoulli_scores(q, k, drawz=2)
 
 
 Q, K = _qk()

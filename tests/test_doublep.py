@@ -506,7 +506,7 @@ def test_cluster_topk(case, clusters):
     """Exact over sinks + window + the top clusters by xbar; all clusters -> exact."""
     q, k, v, seq_lens, index = case
     scale = 1.0 / math.sqrt(q.shape[2])
-    out, d = cluster_topk_attention(q, k, v, seq_lens, index=index, clusters=clusters,
+    out, d = cluster_topk_attention(q, k, v, seq_lens, index=index, k_clusters=clusters,
                                     return_diagnostics=True)
     G = q.shape[1] // k.shape[1]
     for b in range(q.shape[0]):
@@ -522,7 +522,7 @@ def test_cluster_topk(case, clusters):
             assert d.tokens_exact[b, h] == tokens.size
             np.testing.assert_allclose(out[b, h], restricted_exact(q, k, v, b, h, tokens, scale),
                                        rtol=RTOL, atol=RTOL)
-    full = cluster_topk_attention(q, k, v, seq_lens, index=index, clusters=index.n_clusters)
+    full = cluster_topk_attention(q, k, v, seq_lens, index=index, k_clusters=index.n_clusters)
     np.testing.assert_allclose(full, exact_attention(q, k, v, seq_lens, scale), rtol=RTOL, atol=RTOL)
 
 
@@ -592,7 +592,7 @@ def test_errors():
     with pytest.raises(ValueError, match=mismatch.format(69, 70)):
         doublep_attention(q, k, v, index=short)  # None means the full 70 tokens
     with pytest.raises(ValueError, match=r"`seq_lens` must equal the index's seq_lens"):
-        cluster_topk_attention(q, k, v, np.array([69]), index=index, clusters=2)
+        cluster_topk_attention(q, k, v, np.array([69]), index=index, k_clusters=2)
     with pytest.raises(TypeError, match="`index` must be a DoublePIndex"):
         doublep_attention(q, k, v, index=None)
     with pytest.raises(ValueError, match="`k` must match the index"):

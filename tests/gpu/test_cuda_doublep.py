@@ -107,7 +107,7 @@ def compare(qd, kd, vd, host, lens, index, *, p1=0.95, p2=0.7, clusters=None, dt
         want, wd = stochattn.doublep_attention(q64, k64, v64, lens, index=hix, p1=p1, p2=p2,
                                                return_diagnostics=True)
     else:
-        got, gd = stochattn.cluster_topk_attention(qd, kd, vd, index=index, clusters=clusters,
+        got, gd = stochattn.cluster_topk_attention(qd, kd, vd, index=index, k_clusters=clusters,
                                                    return_diagnostics=True)
         want, wd = stochattn.cluster_topk_attention(q64, k64, v64, lens, index=hix,
                                                     clusters=clusters, return_diagnostics=True)

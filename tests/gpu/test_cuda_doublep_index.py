@@ -313,7 +313,7 @@ def test_views_stack_repr_and_errors(fw):
     with pytest.raises(ValueError, match=r"`q` head_dim must be one of \(64, 128\) on the GPU"):
         stochattn.doublep_attention(q, kd, vd, fw.lens(lens), index=index)
     with pytest.raises(ValueError, match=r"`q` head_dim must be one of"):
-        stochattn.cluster_topk_attention(q, kd, vd, index=index, clusters=2)
+        stochattn.cluster_topk_attention(q, kd, vd, index=index, k_clusters=2)
     with pytest.raises(TypeError, match=r"`index` must hold NumPy arrays to decode NumPy arrays"):
         stochattn.doublep_attention(np.ones((3, 4, 8), dtype=np.float32), k32, v32, lens,
                                     index=index)

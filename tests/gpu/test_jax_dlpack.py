@@ -76,7 +76,7 @@ def test_doublep_from_jax(gpu):
     assert isinstance(out, jax.Array) and out.dtype == q.dtype
     assert bool((cupy.from_dlpack(out) == ref).all())
     assert (diag.clusters_selected >= 1).all()
-    top = stochattn.cluster_topk_attention(q, k, v, index=index, clusters=4)
+    top = stochattn.cluster_topk_attention(q, k, v, index=index, k_clusters=4)
     assert isinstance(top, jax.Array)
 
 

@@ -1,0 +1,266 @@
+"""Plan objects: the one home of an estimator's rules.
+
+A plan is made from an estimator's options, the device it will run on and, optionally, the
+sizes and dtype of the arrays it will see. Making it checks every option once, with one set
+of rules for both backends, then asks the chosen backend whether it can run the plan; a
+backend that cannot says why (every reason, in one error: xformers' dispatch idea). A plan
+is then called with the arrays: :meth:`Plan.run` returns the output, :meth:`Plan.diagnose`
+the output and a :class:`~stochattn.Diagnostics` (one return type each, whatever the
+options).
+
+The functions (``santa_attention(...)`` and friends) are thin wrappers: they pick the
+backend from the arrays, look the plan of their options up in a small per-process cache
+(:func:`cached_plan`) and call it.
+
+Backends: ``"reference"`` (NumPy arrays, ``device="cpu"``) and ``"cuda"`` (CuPy arrays and
+GPU arrays with ``__dlpack__``, ``device="cuda"``).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from . import _validation as val
+from ._backend import backend_of, cuda_not_implemented
+
+__all__ = ["Plan", "PlanShape", "cached_plan", "clear_plan_cache", "device_of",
+           "no_call_arguments", "plan_cache_size", "renamed", "take_seed_offset"]
+
+DEVICES = {"cpu": "reference", "reference": "reference", "numpy": "reference",
+           "cuda": "cuda", "gpu": "cuda"}
+_ARRAY_BACKEND = {"numpy": "reference", "cuda": "cuda"}  # backend_of's names -> plan backends
+
+
+def _gpu_kernel_limits():
+    """What every CUDA kernel takes: (dtypes, head dims, max GQA group). Read from the CUDA
+    backend's own declarations (importing them imports no CuPy)."""
+    from .cuda import _inputs, _sources
+
+    return _inputs.GPU_KERNEL_DTYPES, _sources.HEAD_DIMS, _sources.MAX_GROUP
+
+
+@dataclass(frozen=True)
+class PlanShape:
+    """The sizes and dtype a plan is made for: q (B, q_heads, head_dim), k and v
+    (B, kv_heads, N, head_dim). Batch and tokens stay free per call."""
+
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+
+    @property
+    def group(self) -> int:
+        return self.q_heads // self.kv_heads
+
+
+def _dtype_name(dtype) -> str:
+    name = str(getattr(dtype, "name", dtype))
+    return name[len("torch."):] if name.startswith("torch.") else name
+
+
+def _check_shape(q_heads, kv_heads, head_dim, dtype) -> PlanShape | None:
+    given = [x is not None for x in (q_heads, kv_heads, head_dim, dtype)]
+    if not any(given):
+        return None
+    if not all(given):
+        missing = [n for n, g in zip(("q_heads", "kv_heads", "head_dim", "dtype"), given) if not g]
+        raise ValueError("a plan's sizes come together: pass `q_heads`, `kv_heads`, `head_dim` "
+                         f"and `dtype`, or none of them; missing {', '.join(f'`{m}`' for m in missing)}")
+    q_heads = val.check_positive_int("q_heads", q_heads)
+    kv_heads = val.check_positive_int("kv_heads", kv_heads)
+    head_dim = val.check_positive_int("head_dim", head_dim)
+    if q_heads % kv_heads:
+        raise ValueError(f"`q_heads` must be a multiple of `kv_heads` (GQA), got {q_heads} and "
+                         f"{kv_heads}")
+    return PlanShape(q_heads, kv_heads, head_dim, _dtype_name(dtype))
+
+
+class Plan:
+    """Base of every estimator's plan (see the module docstring).
+
+    Subclasses check their options in ``__init__`` and then call ``super().__init__``;
+    they implement ``_run(backend, arrays, diagnose, call)`` and may add
+    ``_cuda_missing()`` (features the GPU does not have: the reasons of a refusal) and
+    ``_check_cuda_limits()`` (values the GPU kernels cannot take: a ``ValueError``).
+    """
+
+    function = "plan"  # the functional API's name, for messages
+    needs_v = True     # False for estimators of the score stage (q and k only)
+
+    def __init__(self, *, device="cpu", q_heads=None, kv_heads=None, head_dim=None, dtype=None):
+        if not isinstance(device, str) or device.split(":")[0].lower() not in DEVICES:
+            raise ValueError(f"`device` must be one of 'cpu', 'cuda', got {device!r}")
+        self.backend = DEVICES[device.split(":")[0].lower()]
+        self.shape = _check_shape(q_heads, kv_heads, head_dim, dtype)
+        reasons = self.not_supported_reasons(self.backend)
+        if reasons:
+            if self.backend == "cuda" and self._cuda_missing():
+                raise cuda_not_implemented(self.function, "; ".join(reasons))
+            where = "the GPU" if self.backend == "cuda" else "the reference"
+            raise NotImplementedError(f"`{self.function}` cannot run this plan on {where}: "
+                                      + "; ".join(reasons))
+        if self.backend == "cuda":
+            self._check_cuda_limits()
+
+    # ---- what a backend can run --------------------------------------------------------
+
+    def not_supported_reasons(self, backend: str) -> list[str]:
+        """Why ``backend`` (``"reference"`` or ``"cuda"``) cannot run this plan; empty if it can."""
+        reasons = []
+        s = self.shape
+        if backend == "reference":
+            if s is not None and s.dtype not in val.REFERENCE_DTYPES:
+                reasons.append(f"dtype {s.dtype} (the reference takes {', '.join(val.REFERENCE_DTYPES)})")
+            return reasons
+        reasons.extend(self._cuda_missing())
+        if s is not None:
+            dtypes, head_dims, max_group = _gpu_kernel_limits()
+            if s.dtype not in dtypes:
+                reasons.append(f"dtype {s.dtype} (the GPU kernels take {', '.join(dtypes)})")
+            if s.head_dim not in head_dims:
+                reasons.append(f"head_dim {s.head_dim} (the GPU kernels take {head_dims})")
+            if s.group > max_group:
+                reasons.append(f"GQA group {s.group} (the GPU kernels take at most {max_group})")
+        return reasons
+
+    def _cuda_missing(self) -> list[str]:
+        return []
+
+    def _check_cuda_limits(self) -> None:
+        return None
+
+    # ---- calls ----------------------------------------------------------------------------
+
+    def run(self, q, k, v=None, seq_lens=None, **call):
+        """The estimator's output for these arrays (see the plan class for ``call``)."""
+        return self._call(q, k, v, seq_lens, False, call)
+
+    def diagnose(self, q, k, v=None, seq_lens=None, **call):
+        """``(output, Diagnostics)`` for these arrays: :meth:`run` plus what the call read."""
+        return self._call(q, k, v, seq_lens, True, call)
+
+    def _call(self, q, k, v, seq_lens, diagnose, call):
+        arrays = dict(q=q, k=k, v=v) if self.needs_v else dict(q=q, k=k)
+        if self.needs_v and v is None:
+            raise TypeError(f"`{self.function}` needs `v`, got None")
+        got = _ARRAY_BACKEND[backend_of(**arrays)]
+        if got != self.backend:
+            where = "NumPy arrays" if got == "reference" else "GPU arrays"
+            raise TypeError(f"this plan runs on the {self.backend} backend (device="
+                            f"{'cpu' if self.backend == 'reference' else 'cuda'!r}), got {where}")
+        return self.dispatch(q, k, v, seq_lens, diagnose, call)
+
+    def dispatch(self, q, k, v, seq_lens, diagnose: bool, call: dict):
+        """The call, for arrays already known to be of this plan's backend (the functions
+        use it after choosing the plan by the arrays' backend)."""
+        if self.shape is not None:
+            self._check_planned_shape(q, k)
+        return self._run(self.backend, q, k, v, seq_lens, diagnose, call)
+
+    def _check_planned_shape(self, q, k) -> None:
+        s = self.shape
+        qs, ks = tuple(q.shape), tuple(k.shape)
+        got = (qs[1] if len(qs) == 3 else None, ks[1] if len(ks) == 4 else None,
+               qs[-1] if qs else None, _dtype_name(q.dtype))
+        for name, want, have in zip(("q_heads", "kv_heads", "head_dim", "dtype"),
+                                    (s.q_heads, s.kv_heads, s.head_dim, s.dtype), got):
+            if want != have:
+                raise ValueError(f"`q`/`k` do not match the plan: planned {name}={want!r}, got "
+                                 f"{have!r} (q shape {qs}, k shape {ks}, dtype {_dtype_name(q.dtype)})")
+
+    def _run(self, backend, q, k, v, seq_lens, diagnose, call):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
+        shape = "" if self.shape is None else (
+            f", q_heads={self.shape.q_heads}, kv_heads={self.shape.kv_heads}, "
+            f"head_dim={self.shape.head_dim}, dtype={self.shape.dtype!r}")
+        return f"{type(self).__name__}({opts}, device={'cpu' if self.backend == 'reference' else 'cuda'!r}{shape})"
+
+    def options(self) -> dict:
+        """The plan's checked options, by their public names."""
+        return {}
+
+
+# ---- the functional API's plan cache --------------------------------------------------------
+
+_MAX_PLANS = 256
+_plans: dict = {}
+_lock = threading.Lock()
+
+
+def cached_plan(cls, device: str, **options) -> Plan:
+    """The plan ``cls(device=device, **options)``, from a bounded per-process cache (what
+    the functions use; the oldest plan goes first when it is full). Options that cannot be a key (unhashable values) build a
+    fresh plan, which then reports what is wrong with them."""
+    key = (cls, device, tuple((name, type(value), value) for name, value in options.items()))
+    try:
+        plan = _plans.get(key)
+    except TypeError:
+        return cls(device=device, **options)
+    if plan is not None:
+        return plan
+    plan = cls(device=device, **options)
+    with _lock:
+        _plans[key] = plan
+        while len(_plans) > _MAX_PLANS:
+            del _plans[next(iter(_plans))]
+    return plan
+
+
+def clear_plan_cache() -> None:
+    """Forget the functions' cached plans (they are made again on the next call)."""
+    with _lock:
+        _plans.clear()
+
+
+def plan_cache_size() -> int:
+    return len(_plans)
+
+
+def no_call_arguments(call: dict) -> None:
+    """A call of a plan takes the arrays only: any other argument is an option of the plan."""
+    if call:
+        raise TypeError(f"unexpected argument(s) {', '.join(f'`{n}`' for n in call)}; a call "
+                        "takes the arrays only (the rest are the plan's options)")
+
+
+def take_seed_offset(call: dict) -> tuple[int, int]:
+    """``(seed, offset)`` of a call of a stochastic plan, checked; nothing else is accepted."""
+    seed, offset = call.pop("seed", 0), call.pop("offset", 0)
+    if call:
+        raise TypeError(f"unexpected argument(s) {', '.join(f'`{n}`' for n in call)}; a call "
+                        "takes the arrays, `seed` and `offset` (the rest are the plan's options)")
+    return val.check_seed_offset(seed, offset)
+
+
+def renamed(function: str, deprecated: dict, renames: dict, values: dict,
+            checks: dict | None = None) -> dict:
+    """Old parameter names still accepted for one release, with a ``DeprecationWarning``:
+    ``deprecated`` holds the call's leftover keyword arguments, ``renames`` maps old names
+    to new ones and ``values`` the new names to what the call passed (``None``: left at its
+    default); ``checks`` maps old names to ``check(name, value)`` functions, so that a bad
+    value is reported under the name the caller used. Returns ``values`` with the old names'
+    values moved in."""
+    import warnings
+
+    for old, value in deprecated.items():
+        new = renames.get(old)
+        if new is None:
+            raise TypeError(f"{function}() got an unexpected keyword argument {old!r}")
+        if values.get(new) is not None:
+            raise TypeError(f"{function}() got both `{new}` and its old name `{old}`")
+        if checks and old in checks:
+            value = checks[old](old, value)
+        warnings.warn(f"`{function}`: `{old}` is now called `{new}`", DeprecationWarning,
+                      stacklevel=3)
+        values[new] = value
+    return values
+
+
+def device_of(**arrays) -> str:
+    """``"cpu"`` or ``"cuda"`` for the named arrays (see :func:`~stochattn._backend.backend_of`)."""
+    return "cpu" if backend_of(**arrays) == "numpy" else "cuda"
