@@ -21,15 +21,15 @@ import sys
 
 # routine -> (module under benchmarks/, what it measures, what it needs)
 ROUTINES = {
-    "decode": ("bench_decode", "one decode step: exact, S2ANTA prop/flash, Double-P against "
+    "decode": ("bench_decode", "one decode step: exact, S2ANTA-prop and -flash against "
                "FlashInfer, torch SDPA and the copy floor", "GPU, torch, cupy"),
     "decode-report": ("report_decode", "the markdown table of a decode run's JSON", "-"),
     "doublep": ("bench_doublep", "Double-P decode (index, attention, sampling) against the "
                 "same baselines", "GPU, torch, cupy"),
-    "kmeans": ("bench_kmeans", "the k-means index build, GPU against the NumPy reference",
+    "kmeans": ("bench_kmeans", "the Double-P index's k-means prefill against SDPA's prefill",
                "GPU, torch, cupy, numba-cuda"),
-    "bernoulli": ("bench_bernoulli", "S2ANTA-prop with 1, 2, 4 Bernoulli draws per key",
-                  "GPU, torch, cupy"),
+    "bernoulli": ("bench_bernoulli", "S2ANTA-prop with exact against Bernoulli scores, against "
+                  "SDPA", "GPU, torch, cupy"),
     "e2e": ("e2e_decode", "end-to-end decode in transformers (Llama-3.1-8B shape), every "
             "attention implementation", "GPU, torch, transformers"),
     "accuracy": ("accuracy", "loss of SmolLM2-135M with each estimator in every layer",
