@@ -1,15 +1,15 @@
 """The practical floor of one decode launch: how long a kernel that only reads the bytes of
 K and V (and does nothing else) takes at each decode shape, one launch per call.
 
-The bandwidth floors of benchmarks/ and tools/ divide bytes by a sustained copy bandwidth (4.25 TB/s on the
-H200), which leaves out what every launch pays at small sizes: the launch itself, the ramp
-until every SM has loads in flight, and the tail. At batch 1 / 32k (134 MB, a 31.6 us
-floor) these are several microseconds, so this measures what "90% of the floor" can mean
-there. The kernel: 16-byte loads, 8 in flight per thread, grid-stride over the buffer with
-``blocks_per_sm`` CTAs of 256 threads per SM, an XOR of everything read stored once per
-CTA (so nothing is optimised away). Timed like tools/tune_exact_tc.py: median of batches of
-back-to-back launches between CUDA events, and once more with the launches captured in a
-CUDA graph (GPU time without the host's launch cost); CuPy only.
+The bandwidth floors of benchmarks/ and tools/ divide bytes by a sustained copy bandwidth
+(4.25 TB/s on the H200), which leaves out what every launch pays at small sizes: the launch
+itself, the ramp until every SM has loads in flight, and the tail. At batch 1 / 32k (134 MB,
+a 31.6 us floor) these are several microseconds, so this measures what "90% of the floor"
+can mean there. The kernel: 16-byte loads, 8 in flight per thread, grid-stride over the
+buffer with ``blocks_per_sm`` CTAs of 256 threads per SM, an XOR of everything read stored
+once per CTA (so nothing is optimised away). Timed like tools/tune_exact_tc.py: median of
+batches of back-to-back launches between CUDA events, and once more with the launches
+captured in a CUDA graph (GPU time without the host's launch cost); CuPy only.
 
     PYTHONPATH=. python3 tools/read_floor.py [--json PATH]
 """

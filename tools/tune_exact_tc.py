@@ -3,11 +3,11 @@ compiled tiling of ``_sources.TC_TILINGS``) and torch SDPA, at the Llama-3.1-8B 
 
 Shapes: Hq 32, Hkv 8, D 128; fp16 and bf16; batch 1, 8, 32; contexts 32768 and 131072
 (Gaussian K/V made on the GPU, full sequences). Timing: 3 warm-up calls, then 5 batches of
-20 back-to-back calls between CUDA events; the median of the per-call times. Floor: bytes
-of K+V over 4.25e12 B/s (the H200's achievable HBM read bandwidth used across
-benchmarks/ and tools/). SDPA: ``F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)``
-on (B, Hq, 1, D) / (B, Hkv, N, D). Each kernel's output is checked against SDPA's
-(max |ours - sdpa| / max |sdpa| < 2e-2, else the row is marked WRONG).
+20 back-to-back calls between CUDA events; the median of the per-call times. Floor: bytes of
+K+V over 4.25e12 B/s (the H200's achievable HBM read bandwidth used across benchmarks/ and
+tools/). SDPA: ``F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)`` on
+(B, Hq, 1, D) / (B, Hkv, N, D). Each kernel's output is checked against SDPA's (max |ours -
+sdpa| / max |sdpa| < 2e-2, else the row is marked WRONG).
 
 Prints one row per (dtype, batch, context) with time and % of the floor for simt, the
 default tc tiling, the fastest tc tiling, SDPA, and the default tc and SDPA once more with
