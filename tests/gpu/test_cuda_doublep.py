@@ -110,7 +110,7 @@ def compare(qd, kd, vd, host, lens, index, *, p1=0.95, p2=0.7, clusters=None, dt
         got, gd = stochattn.cluster_topk_attention(qd, kd, vd, index=index, k_clusters=clusters,
                                                    return_diagnostics=True)
         want, wd = stochattn.cluster_topk_attention(q64, k64, v64, lens, index=hix,
-                                                    clusters=clusters, return_diagnostics=True)
+                                                    k_clusters=clusters, return_diagnostics=True)
     if num_chunks is not None:
         from stochattn.cuda.doublep import doublep_decode
 

@@ -82,7 +82,7 @@ def test_doublep_from_jax(gpu):
 
 def test_bernoulli_scores_from_jax(gpu):
     q, k, _ = _inputs(gpu, jnp.float16)
-    s = stochattn.bernoulli_scores(q, k, draws=2, seed=1)
-    ref = stochattn.bernoulli_scores(_as_cupy(q), _as_cupy(k), draws=2, seed=1)
+    s = stochattn.bernoulli_scores(q, k, bernoulli_draws=2, seed=1)
+    ref = stochattn.bernoulli_scores(_as_cupy(q), _as_cupy(k), bernoulli_draws=2, seed=1)
     assert isinstance(s, jax.Array)
     assert bool((cupy.from_dlpack(s) == ref).all())
