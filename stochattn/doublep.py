@@ -87,7 +87,7 @@ class DoublePIndex:
     def value_means(self) -> np.ndarray:
         """``value_sums / sizes`` (B, Hkv, C, D) float64 (float32 on a GPU index, on its
         device); 0 for empty clusters."""
-        if not isinstance(self.value_sums, np.ndarray):
+        if self.on_gpu:
             return _gpu_index().value_means_gpu(self)
         s = self.sizes[..., None].astype(np.float64)
         return np.divide(self.value_sums, s, out=np.zeros_like(self.value_sums), where=s > 0)
@@ -148,7 +148,7 @@ class DoublePIndex:
                     f"`indexes[{i}]` must match indexes[0] (n_sink, window, n_clusters, "
                     f"(kv_heads, clusters, head_dim)) {expected}, got {got}"
                 )
-        if not all(isinstance(ix.centroids, np.ndarray) for ix in indexes):
+        if any(ix.on_gpu for ix in indexes):  # the GPU path reports a host/GPU mix
             return cls(n_sink=first.n_sink, window=first.window, n_clusters=first.n_clusters,
                        **_gpu_index().stack_gpu(indexes))
         N = max(ix.labels.shape[-1] for ix in indexes)
@@ -176,7 +176,7 @@ class DoublePIndex:
             arrays are computed on the device and M is the label axis N (no device-to-host
             copy of the lengths); the first columns equal the host version's.
         """
-        if not isinstance(self.labels, np.ndarray):
+        if self.on_gpu:
             return _gpu_index().csr_gpu(self)
         return _km.cluster_csr(self.labels, self.sizes, self.window_start, self.n_sink)
 
@@ -209,12 +209,12 @@ class DoublePIndex:
         TypeError
             GPU arrays for a host index, or arrays of another framework than a GPU index's.
         """
-        if not isinstance(self.centroids, np.ndarray) or backend_of(k=k, v=v) == "cuda":
+        if self.on_gpu or backend_of(k=k, v=v) == "cuda":
             _gpu_index().append_gpu(self, k, v, seq_lens)
             return
         backend_of(k=k, v=v, seq_lens=seq_lens)  # host seq_lens only, for the reference
         B, Hkv, N, D = val.check_kv_inputs(k, v, seq_lens)
-        self._check_cache(B, Hkv, D)
+        self.check_cache(B, Hkv, D)
         new = lengths(seq_lens, B, N)
         if np.any(new < self.seq_lens):
             raise ValueError(
@@ -230,7 +230,15 @@ class DoublePIndex:
                           self.n_sink, self.window)
         self.seq_lens = new
 
-    def _check_cache(self, B, Hkv, D) -> None:
+    @property
+    def on_gpu(self) -> bool:
+        """Whether the index's arrays live on a GPU (built from GPU arrays): the one test
+        that sends a method to the reference or to :mod:`stochattn.cuda.doublep_index`."""
+        return not isinstance(self.centroids, np.ndarray)
+
+    def check_cache(self, B, Hkv, D) -> None:
+        """A cache of batch ``B``, ``Hkv`` KV heads and head dim ``D`` must be the one the
+        index was built from (``ValueError`` naming `k` otherwise); both backends call it."""
         expected = (self.centroids.shape[0], self.centroids.shape[1], self.centroids.shape[3])
         if (B, Hkv, D) != expected:
             raise ValueError(
@@ -238,11 +246,12 @@ class DoublePIndex:
                 f"got {(B, Hkv, D)}"
             )
 
+    _check_cache = check_cache  # the old name, still called by stochattn.cuda.doublep_index
+
     def __repr__(self) -> str:
         B, Hkv, C, D = self.centroids.shape
         # On a GPU index, tolist() copies the lengths to the host (a synchronisation).
-        where = ("" if isinstance(self.centroids, np.ndarray)
-                 else f", device={_gpu_index().device_label(self)!r}")
+        where = f", device={_gpu_index().device_label(self)!r}" if self.on_gpu else ""
         return (f"DoublePIndex(batch={B}, kv_heads={Hkv}, n_clusters={C}, head_dim={D}, "
                 f"n_sink={self.n_sink}, window={self.window}, seq_lens={self.seq_lens.tolist()}"
                 f"{where})")
@@ -332,11 +341,11 @@ def _check_index(index, shape, seq_lens):
     if not isinstance(index, DoublePIndex):
         raise TypeError(f"`index` must be a DoublePIndex (from build_doublep_index), "
                         f"got {type(index).__name__}")
-    if not isinstance(index.centroids, np.ndarray):
+    if index.on_gpu:
         raise TypeError("`index` must hold NumPy arrays to decode NumPy arrays (the reference), "
                         f"got a GPU index ({_gpu_index().device_label(index)}): build it from "
                         "NumPy arrays")
-    index._check_cache(shape.batch, shape.kv_heads, shape.head_dim)
+    index.check_cache(shape.batch, shape.kv_heads, shape.head_dim)
     lens = lengths(seq_lens, shape.batch, shape.tokens)
     if not np.array_equal(lens, index.seq_lens):
         raise ValueError(
@@ -356,7 +365,7 @@ def _decode_cuda(function, q, k, v, seq_lens, index, softmax_scale, check_finite
     if not isinstance(index, DoublePIndex):
         raise TypeError(f"`index` must be a DoublePIndex (from build_doublep_index), "
                         f"got {type(index).__name__}")
-    if isinstance(index.centroids, np.ndarray):
+    if not index.on_gpu:
         raise TypeError("`index` must be a GPU index to decode GPU arrays, got a host index: "
                         "build it with build_doublep_index from the GPU cache")
     if type(q).__module__.split(".")[0] != "torch":
