@@ -102,7 +102,7 @@ def _configs(q, k, v, unavailable: list):
         for c in (8, 32):
             rows.append(Config("cluster top-k", {"clusters": c},
                                lambda s, c=c: cluster_topk_attention(
-                                   q, k, v, index=index, clusters=c, return_diagnostics=True)))
+                                   q, k, v, index=index, k_clusters=c, return_diagnostics=True)))
 
     from stochattn.baselines import quest_attention, top_p_attention, topk_attention
 
@@ -111,7 +111,7 @@ def _configs(q, k, v, unavailable: list):
             q, k, v, k_tokens=kt, return_diagnostics=True)))
     for budget in (256, 1024):
         rows.append(Config("quest", {"budget": budget, "page": 16},
-                           lambda s, b=budget: quest_attention(q, k, v, budget=b, page_size=16,
+                           lambda s, b=budget: quest_attention(q, k, v, k_tokens=b, page_size=16,
                                                                return_diagnostics=True)))
     for p in (0.9, 0.95, 0.99):
         rows.append(Config("oracle top-p", {"p": p}, lambda s, p=p: top_p_attention(

@@ -227,7 +227,7 @@ def _make_estimator(name, *, budget, p, sampler, schedule, n_sink, window, p1, p
 
         if name == "cluster_topk":
             return (lambda q, k, v, lens, *, seed, offset: cluster_topk_attention(
-                q, k, v, lens, index=index_of(k, v, lens), clusters=clusters,
+                q, k, v, lens, index=index_of(k, v, lens), k_clusters=clusters,
                 return_diagnostics=rd)), False
         b = budget if approx == "sample" else None
         return (lambda q, k, v, lens, *, seed, offset: doublep_attention(
@@ -249,7 +249,7 @@ def _make_estimator(name, *, budget, p, sampler, schedule, n_sink, window, p1, p
     if name == "quest":
         from stochattn.baselines import quest_attention
         return (lambda q, k, v, lens, *, seed, offset: quest_attention(
-            q, k, v, lens, budget=budget, return_diagnostics=rd)), False
+            q, k, v, lens, k_tokens=budget, return_diagnostics=rd)), False
     if name == "top_p":
         from stochattn.baselines import top_p_attention
         return (lambda q, k, v, lens, *, seed, offset: top_p_attention(
