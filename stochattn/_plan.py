@@ -21,11 +21,14 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+import numpy as np
+
 from . import _validation as val
 from ._backend import backend_of, cuda_not_implemented
 
 __all__ = ["Plan", "PlanShape", "cached_plan", "clear_plan_cache", "device_of",
-           "no_call_arguments", "plan_cache_size", "renamed", "take_seed_offset"]
+           "no_call_arguments", "plan_cache_size", "renamed", "take_seed_offset",
+           "check_stream_arrays", "advance"]
 
 DEVICES = {"cpu": "reference", "reference": "reference", "numpy": "reference",
            "cuda": "cuda", "gpu": "cuda"}
@@ -128,6 +131,17 @@ class Plan:
     def _cuda_missing(self) -> list[str]:
         return []
 
+    def _streams(self, backend: str, q, call: dict) -> tuple:
+        """``(seed, offset)`` of a call of a stochastic plan (one with ``advance_offset``),
+        checked against the batch of ``q`` (see :func:`check_stream_arrays`)."""
+        seed, offset = take_seed_offset(call)
+        shape = getattr(q, "shape", None)
+        if shape is not None and len(shape) >= 1:
+            check_stream_arrays(backend, seed, offset, int(shape[0]), self.advance_offset)
+        elif self.advance_offset and isinstance(offset, int):
+            check_stream_arrays(backend, seed, offset, 0, True)
+        return seed, offset
+
     def _check_cuda_limits(self) -> None:
         return None
 
@@ -228,13 +242,38 @@ def no_call_arguments(call: dict) -> None:
                         "takes the arrays only (the rest are the plan's options)")
 
 
-def take_seed_offset(call: dict) -> tuple[int, int]:
-    """``(seed, offset)`` of a call of a stochastic plan, checked; nothing else is accepted."""
+def take_seed_offset(call: dict) -> tuple:
+    """``(seed, offset)`` of a call of a stochastic plan, checked; nothing else is accepted.
+    Each is an int or an integer array of shape () or (B,) (see :func:`check_stream_arrays`)."""
     seed, offset = call.pop("seed", 0), call.pop("offset", 0)
     if call:
         raise TypeError(f"unexpected argument(s) {', '.join(f'`{n}`' for n in call)}; a call "
                         "takes the arrays, `seed` and `offset` (the rest are the plan's options)")
-    return val.check_seed_offset(seed, offset)
+    return val.check_seed_offset(seed, offset, arrays=True)
+
+
+def check_stream_arrays(backend: str, seed, offset, batch: int, advance_offset: bool) -> None:
+    """The per-call forms of ``seed`` and ``offset`` (SPEC section 7), once the batch is
+    known. The reference takes NumPy integer arrays of shape () or (B,) (sequence ``b``
+    draws with ``seed[b]``, ``offset[b]``); with ``advance_offset`` the offset must be such
+    an array, which the call advances by 1 in place when it is done. The CUDA kernels take
+    host integers for now: device-side seeds and offsets are the next step of issue
+    "Serving-grade decode"."""
+    arrays = [(n, x) for n, x in (("seed", seed), ("offset", offset)) if not isinstance(x, int)]
+    if advance_offset and isinstance(offset, int):
+        raise TypeError("`advance_offset=True` needs `offset` as an integer array (it is advanced "
+                        "in place), got an int")
+    if backend == "cuda" and arrays:
+        raise NotImplementedError(
+            f"`{arrays[0][0]}` as an array (per-sequence or read at run time) is not on the GPU "
+            "kernels yet; pass an int")
+    for name, x in arrays:
+        val.check_per_sequence(name, x, batch)
+
+
+def advance(offset) -> None:
+    """``offset += 1`` in place, modulo 2**32 (the plan option ``advance_offset``)."""
+    offset[...] = (offset.astype(np.uint64) + np.uint64(1)) % np.uint64(2**32)
 
 
 def renamed(function: str, deprecated: dict, renames: dict, values: dict,

@@ -26,6 +26,7 @@ __all__ = [
     "check_nonnegative_int",
     "check_probability",
     "check_score_inputs",
+    "check_per_sequence",
     "check_seed_offset",
     "check_scale",
 ]
@@ -181,17 +182,45 @@ def check_choice(name: str, value, choices) -> str:
     return value
 
 
-def check_seed_offset(seed, offset) -> tuple[int, int]:
-    """``seed`` in [0, 2**64) and ``offset`` in [0, 2**32)."""
-    if not _is_int(seed):
-        raise TypeError(f"`seed` must be an integer, got {type(seed).__name__}")
-    if not 0 <= seed < 2**64:
-        raise ValueError(f"`seed` must lie in [0, 2**64), got {seed}")
-    if not _is_int(offset):
-        raise TypeError(f"`offset` must be an integer, got {type(offset).__name__}")
-    if not 0 <= offset < 2**32:
-        raise ValueError(f"`offset` must lie in [0, 2**32), got {offset}")
-    return int(seed), int(offset)
+def check_seed_offset(seed, offset, *, arrays: bool = False):
+    """``seed`` in [0, 2**64) and ``offset`` in [0, 2**32): integers, or with ``arrays=True``
+    also integer arrays of shape () or (B,) (one per sequence; the form a captured CUDA
+    graph reads at run time, SPEC section 7). Host arrays are checked here (values and dtype);
+    the batch size of a (B,) array is checked by :func:`check_per_sequence` once B is
+    known. Device arrays are checked by their backend (attributes only, no values)."""
+    return (_check_stream_word("seed", seed, 64, arrays),
+            _check_stream_word("offset", offset, 32, arrays))
+
+
+def _check_stream_word(name: str, value, bits: int, arrays: bool):
+    if not arrays and not _is_int(value):
+        raise TypeError(f"`{name}` must be an integer, got {type(value).__name__}")
+    if _is_int(value):
+        if not 0 <= value < 2**bits:
+            raise ValueError(f"`{name}` must lie in [0, 2**{bits}), got {value}")
+        return int(value)
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "iu":
+            raise TypeError(f"`{name}` must be an integer, or an integer array, got an array "
+                            f"of {value.dtype}")
+        if value.ndim > 1:
+            raise ValueError(f"`{name}` must be an integer, or an array of shape () or (batch,), "
+                             f"got shape {value.shape}")
+        if value.size and (int(value.min()) < 0 or int(value.max()) >= 2**bits):
+            raise ValueError(f"`{name}` values must lie in [0, 2**{bits}), got min "
+                             f"{int(value.min())} and max {int(value.max())}")
+        return value
+    if hasattr(value, "shape") and hasattr(value, "dtype"):  # a device array: its backend checks
+        return value
+    raise TypeError(f"`{name}` must be an integer, got {type(value).__name__} (an integer array "
+                    "of shape () or (batch,) is accepted too)")
+
+
+def check_per_sequence(name: str, value, batch: int) -> None:
+    """A per-call array (``seed``, ``offset``) must have shape () or (batch,)."""
+    shape = tuple(int(s) for s in getattr(value, "shape", ()))
+    if shape not in ((), (batch,)):
+        raise ValueError(f"`{name}` must have shape () or ({batch},) (one per sequence), got {shape}")
 
 
 def check_scale(softmax_scale, head_dim: int) -> float:

@@ -6,7 +6,7 @@ import numpy as np
 
 from . import _validation as val
 from ._backend import backend_of, host_floats, host_ints, in_callers_framework, require_cupy
-from ._plan import Plan, cached_plan, device_of, renamed, take_seed_offset
+from ._plan import Plan, advance, cached_plan, device_of, renamed
 from .diagnostics import Diagnostics
 from .reference import bernoulli as _ref
 from .reference.common import finish, lengths
@@ -26,18 +26,20 @@ class BernoulliPlan(Plan):
     needs_v = False
 
     def __init__(self, *, bernoulli_draws=4, bernoulli_group_shared=False, check_finite=False,
-                 device="cpu", q_heads=None, kv_heads=None, head_dim=None, dtype=None):
+                 advance_offset=False, device="cpu", q_heads=None, kv_heads=None,
+                 head_dim=None, dtype=None):
         self.bernoulli_draws = val.check_budget("bernoulli_draws", bernoulli_draws)
         self.bernoulli_group_shared = val.check_bool("bernoulli_group_shared",
                                                      bernoulli_group_shared)
         self.check_finite = val.check_bool("check_finite", check_finite)
+        self.advance_offset = val.check_bool("advance_offset", advance_offset)
         super().__init__(device=device, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
                          dtype=dtype)
 
     def options(self) -> dict:
         return dict(bernoulli_draws=self.bernoulli_draws,
                     bernoulli_group_shared=self.bernoulli_group_shared,
-                    check_finite=self.check_finite)
+                    check_finite=self.check_finite, advance_offset=self.advance_offset)
 
     def run(self, q, k, seq_lens=None, **call):
         return self._call(q, k, None, seq_lens, False, call)
@@ -46,14 +48,13 @@ class BernoulliPlan(Plan):
         return self._call(q, k, None, seq_lens, True, call)
 
     def _run(self, backend, q, k, v, seq_lens, diagnose, call):
-        seed, offset = take_seed_offset(call)
-        if backend == "cuda":
-            return _bernoulli_cuda(q, k, seq_lens, self.bernoulli_draws,
-                                   self.bernoulli_group_shared, seed, offset, self.check_finite,
-                                   diagnose)
-        return _bernoulli_reference(q, k, seq_lens, self.bernoulli_draws,
-                                    self.bernoulli_group_shared, seed, offset, self.check_finite,
-                                    diagnose)
+        seed, offset = self._streams(backend, q, call)
+        run = _bernoulli_cuda if backend == "cuda" else _bernoulli_reference
+        result = run(q, k, seq_lens, self.bernoulli_draws, self.bernoulli_group_shared, seed,
+                     offset, self.check_finite, diagnose)
+        if self.advance_offset:
+            advance(offset)
+        return result
 
 
 def bernoulli_scores(q, k, seq_lens=None, *, bernoulli_draws=None, bernoulli_group_shared=None,

@@ -24,7 +24,7 @@ import numpy as np
 
 from . import _validation as val
 from ._backend import backend_of, in_callers_framework
-from ._plan import Plan, cached_plan, device_of, renamed
+from ._plan import Plan, advance, cached_plan, device_of, renamed
 from .diagnostics import Diagnostics
 from .reference import doublep as _ref
 from .reference import kmeans as _km
@@ -549,20 +549,19 @@ class _DecodePlan(Plan):
     def options(self) -> dict:
         return dict(softmax_scale=self.softmax_scale, check_finite=self.check_finite)
 
-    def _take_call(self, call: dict):
-        """``(index, seed, offset)`` of a call; an index is required."""
+    advance_offset = False
+
+    def _run(self, backend, q, k, v, seq_lens, diagnose, call):
         if "index" not in call:
             raise TypeError(f"`{self.function}` needs `index` (a DoublePIndex) in every call")
         index = call.pop("index")
-        seed, offset = call.pop("seed", 0), call.pop("offset", 0)
-        if call:
-            raise TypeError(f"unexpected argument(s) {', '.join(f'`{n}`' for n in call)}; a call "
-                            "takes the arrays, `index`, `seed` and `offset`")
-        seed, offset = val.check_seed_offset(seed, offset)
-        return index, seed, offset
+        seed, offset = self._streams(backend, q, call)
+        result = self._decode(backend, q, k, v, seq_lens, diagnose, index, seed, offset)
+        if self.advance_offset:
+            advance(offset)
+        return result
 
-    def _run(self, backend, q, k, v, seq_lens, diagnose, call):
-        index, seed, offset = self._take_call(call)
+    def _decode(self, backend, q, k, v, seq_lens, diagnose, index, seed, offset):
         if backend == "cuda":
             return _decode_cuda(self.function, q, k, v, seq_lens, index, self.softmax_scale,
                                 self.check_finite, diagnose, **self._kernel_options(seed, offset))
@@ -591,7 +590,8 @@ class DoublePPlan(_DecodePlan):
     function = "doublep_attention"
 
     def __init__(self, *, p1=0.95, p2=0.7, approx="centroid", budget=None,
-                 sampler="systematic", **common):
+                 sampler="systematic", advance_offset=False, **common):
+        self.advance_offset = val.check_bool("advance_offset", advance_offset)
         self.p1 = val.check_probability("p1", p1)
         self.p2 = val.check_probability("p2", p2)
         self.approx = val.check_choice("approx", approx, APPROX)
@@ -608,7 +608,8 @@ class DoublePPlan(_DecodePlan):
 
     def options(self) -> dict:
         return dict(p1=self.p1, p2=self.p2, approx=self.approx, budget=self.budget,
-                    sampler=self.sampler, **super().options())
+                    sampler=self.sampler, advance_offset=self.advance_offset,
+                    **super().options())
 
     def _kernel_options(self, seed, offset) -> dict:
         if self.approx == "centroid":

@@ -6,7 +6,7 @@ import numpy as np
 
 from . import _validation as val
 from ._backend import host_floats, host_ints, in_callers_framework, require_cupy
-from ._plan import Plan, cached_plan, device_of, take_seed_offset
+from ._plan import Plan, advance, cached_plan, device_of
 from .diagnostics import Diagnostics
 from .reference import santa as _ref
 from .reference.common import finish, lengths, union_rows_per_kv_head
@@ -32,8 +32,16 @@ softmax_scale, check_finite
         are checked against what the backend takes when the plan is made, and every call
         must match them.
 
+    advance_offset : bool
+        After each call, add 1 to ``offset`` in place (modulo 2**32); ``offset`` must then be
+        an integer array. N calls with one array starting at o draw what N calls with
+        offsets o, o + 1, ..., o + N - 1 draw: the form a captured CUDA graph needs (SPEC
+        section 7; on the GPU it waits for device-side offsets).
+
     Calls: ``plan.run(q, k, v, seq_lens=None, *, seed=0, offset=0)`` returns the output
-    (B, Hq, D); ``plan.diagnose(...)`` returns ``(output, Diagnostics)``.
+    (B, Hq, D); ``plan.diagnose(...)`` returns ``(output, Diagnostics)``. ``seed`` and
+    ``offset`` are ints, or (on the reference, for now) integer arrays of shape () or
+    (B,): sequence b then draws with ``seed[b]`` and ``offset[b]``.
 
     Raises
     ------
@@ -57,8 +65,8 @@ softmax_scale, check_finite
 
     def __init__(self, *, budget, sampler="systematic", schedule="prop", tile_size=64,
                  scores="exact", bernoulli_draws=4, bernoulli_group_shared=False,
-                 softmax_scale=None, check_finite=False, device="cpu", q_heads=None,
-                 kv_heads=None, head_dim=None, dtype=None):
+                 softmax_scale=None, check_finite=False, advance_offset=False, device="cpu",
+                 q_heads=None, kv_heads=None, head_dim=None, dtype=None):
         self.budget = val.check_budget("budget", budget)
         self.sampler = val.check_choice("sampler", sampler, SAMPLERS)
         self.schedule = val.check_choice("schedule", schedule, SCHEDULES)
@@ -71,6 +79,7 @@ softmax_scale, check_finite
             val.check_scale(softmax_scale, 1)
         self.softmax_scale = softmax_scale
         self.check_finite = val.check_bool("check_finite", check_finite)
+        self.advance_offset = val.check_bool("advance_offset", advance_offset)
         super().__init__(device=device, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
                          dtype=dtype)
 
@@ -79,7 +88,8 @@ softmax_scale, check_finite
                     tile_size=self.tile_size, scores=self.scores,
                     bernoulli_draws=self.bernoulli_draws,
                     bernoulli_group_shared=self.bernoulli_group_shared,
-                    softmax_scale=self.softmax_scale, check_finite=self.check_finite)
+                    softmax_scale=self.softmax_scale, check_finite=self.check_finite,
+                    advance_offset=self.advance_offset)
 
     def _cuda_missing(self) -> list[str]:
         if self.schedule == "global":
@@ -99,10 +109,12 @@ softmax_scale, check_finite
                                  else flash.FLASH_MAX_BUDGET)
 
     def _run(self, backend, q, k, v, seq_lens, diagnose, call):
-        seed, offset = take_seed_offset(call)
-        if backend == "cuda":
-            return _santa_cuda(q, k, v, seq_lens, self, seed, offset, diagnose)
-        return _santa_reference(q, k, v, seq_lens, self, seed, offset, diagnose)
+        seed, offset = self._streams(backend, q, call)
+        run = _santa_cuda if backend == "cuda" else _santa_reference
+        result = run(q, k, v, seq_lens, self, seed, offset, diagnose)
+        if self.advance_offset:
+            advance(offset)
+        return result
 
 
 def santa_attention(q, k, v, seq_lens=None, *, budget, sampler="systematic", schedule="prop",

@@ -202,3 +202,78 @@ def test_repr_shows_the_options_and_device():
 def test_docstring_examples_run(module):
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+# ---- per-call random streams as arrays (SPEC section 7), on the reference ------------------
+
+def _stochastic_calls(k, v, lens):
+    """(name, call(q, seed, offset) -> output) of every stochastic estimator."""
+    index = _index(k, v, lens)
+    return [
+        ("santa prop", lambda q, **c: stochattn.santa_attention(q, k, v, lens, budget=8, **c)),
+        ("santa flash iid", lambda q, **c: stochattn.santa_attention(
+            q, k, v, lens, budget=8, schedule="flash", sampler="iid", tile_size=16, **c)),
+        ("bernoulli", lambda q, **c: stochattn.bernoulli_scores(q, k, lens, bernoulli_draws=2, **c)),
+        ("double-p sampled", lambda q, **c: stochattn.doublep_attention(
+            q, k, v, lens, index=index, approx="sample", budget=5, **c)),
+    ]
+
+
+def test_per_sequence_seeds_and_offsets_draw_what_each_sequence_would_draw_alone():
+    """Sequence b of a call with arrays equals sequence b of a call with ints seed[b],
+    offset[b]: exact."""
+    q, k, v, lens = _inputs()
+    seeds, offsets = np.array([3, 2**63 + 5], dtype=np.uint64), np.array([7, 2**32 - 1])
+    for name, call in _stochastic_calls(k, v, lens):
+        got = call(q, seed=seeds, offset=offsets)
+        for b in range(2):
+            want = call(q, seed=int(seeds[b]), offset=int(offsets[b]))
+            assert np.array_equal(got[b], want[b]), (name, b)
+        assert not np.array_equal(got[1], call(q, seed=3, offset=7)[1]), name
+        same = call(q, seed=np.array(3), offset=np.array(7))  # shape (): one per call
+        assert np.array_equal(same, call(q, seed=3, offset=7)), name
+
+
+def test_advance_offset_makes_n_calls_draw_what_offsets_o_to_o_plus_n_minus_1_draw():
+    q, k, v, lens = _inputs()
+    plan = SantaPlan(budget=8, sampler="stratified", advance_offset=True)
+    offset = np.array([5, 2**32 - 2], dtype=np.uint32)
+    for step in range(3):
+        want = [SantaPlan(budget=8, sampler="stratified").run(
+            q, k, v, lens, seed=1, offset=int((o + step) % 2**32))[b]
+            for b, o in enumerate((5, 2**32 - 2))]
+        got = plan.run(q, k, v, lens, seed=1, offset=offset)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), step
+    assert offset.tolist() == [8, 1]  # advanced in place, modulo 2**32
+    with pytest.raises(TypeError, match=r"`advance_offset=True` needs `offset` as an integer "
+                                        r"array \(it is advanced in place\), got an int"):
+        plan.run(q, k, v, lens, offset=3)
+    bern = BernoulliPlan(advance_offset=True)
+    offset = np.zeros((), dtype=np.int64)
+    first = bern.run(q, k, lens, offset=offset)
+    assert int(offset) == 1 and not np.array_equal(bern.run(q, k, lens, offset=offset), first)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(offset=np.array([1, 2, 3])), ValueError, r"`offset` must have shape \(\) or \(2,\) "
+                                                   r"\(one per sequence\), got \(3,\)"),
+    (dict(offset=np.array([[1, 2]])), ValueError, r"`offset` must be an integer, or an array of "
+                                                  r"shape \(\) or \(batch,\), got shape \(1, 2\)"),
+    (dict(offset=np.array([1, 2**32])), ValueError, r"`offset` values must lie in \[0, 2\*\*32\)"),
+    (dict(seed=np.array([1.0, 2.0])), TypeError, r"`seed` must be an integer, or an integer "
+                                                 r"array, got an array of float64"),
+    (dict(seed=np.array([-1, 2])), ValueError, r"`seed` values must lie in \[0, 2\*\*64\)"),
+])
+def test_stream_arrays_are_checked(kwargs, error, match):
+    q, k, v, lens = _inputs()
+    with pytest.raises(error, match=match):
+        stochattn.santa_attention(q, k, v, lens, budget=4, **kwargs)
+
+
+def test_the_gpu_path_says_stream_arrays_are_not_there_yet():
+    from stochattn._plan import check_stream_arrays
+
+    with pytest.raises(NotImplementedError, match=r"`offset` as an array .* is not on the GPU "
+                                                   r"kernels yet; pass an int"):
+        check_stream_arrays("cuda", 0, np.array([1, 2]), 2, False)
+    check_stream_arrays("cuda", 0, 5, 2, False)  # ints: fine

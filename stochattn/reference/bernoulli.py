@@ -43,8 +43,8 @@ def feature_counts(magnitude: np.ndarray, *, draws: int, seed: int, offset: int)
         summed |q|); p_j = a_j / max_j a_j. Row (b, h) of the random stream is b * H + h.
     draws : int
         Number of Bernoulli draws, >= 1.
-    seed, offset : int
-        Stream selection (see :mod:`.rng`).
+    seed, offset : int or integer ndarray of shape (B,)
+        Stream selection (see :mod:`.rng`): one per call, or one per sequence.
 
     Returns
     -------
@@ -54,7 +54,8 @@ def feature_counts(magnitude: np.ndarray, *, draws: int, seed: int, offset: int)
     amax = magnitude.max(axis=-1, keepdims=True)  # (B, H, 1)
     row = (np.arange(B, dtype=np.int64)[:, None] * H + np.arange(H, dtype=np.int64)[None, :])
     draw = np.arange(draws, dtype=np.int64)[:, None] * D + np.arange(D, dtype=np.int64)[None, :]
-    u = uniforms(seed, offset, PURPOSE_BERNOULLI, row[:, :, None, None], 0, draw)  # (B, H, draws, D)
+    u = uniforms(seed, offset, PURPOSE_BERNOULLI, row[:, :, None, None], 0, draw,
+                 heads=H)  # (B, H, draws, D)
     # z = [u < a_j / amax], decided as u * amax < a_j to avoid the division. u has 24
     # significant bits, so for float16/float32 magnitudes the product is exact in float64
     # and the decision is exactly "u < p_j" (a GPU kernel can reproduce it bit for bit).

@@ -156,7 +156,7 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
     if approx == "sample":
         rows = np.arange(B * Hq, dtype=np.int64).reshape(B, Hq)  # row = b * Hq + h
         points = sample_points(sampler, budget, seed=seed, offset=offset, row=rows, stream=0,
-                               purpose=PURPOSE_CLUSTER_SAMPLER)  # (B, Hq, budget)
+                               purpose=PURPOSE_CLUSTER_SAMPLER, heads=Hq)  # (B, Hq, budget)
         diag["sample_indices"] = np.full((B, Hq, budget), -1, dtype=np.int64)  # -1: no draw
     value_means = index.value_means  # VS_i / s_i, 0 for empty clusters
     for b, kvh, L, base, K, V, offsets, token_ids in _heads(q, k, v, lens, index):

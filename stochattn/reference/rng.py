@@ -77,24 +77,35 @@ def philox4x32(counter, key):
     return tuple(w.astype(np.uint32) for w in out)
 
 
-def _key(seed: int) -> tuple[int, int]:
-    seed = int(seed)
-    return seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
+def _per_row(name: str, value, row: np.ndarray, heads):
+    """``value`` (an int, or an integer array of shape () or (B,): one per sequence) as
+    uint64 words broadcastable against ``row``; sequence ``b = row // heads``."""
+    value = np.asarray(value)
+    if value.ndim == 0:
+        return np.uint64(int(value))
+    if heads is None:
+        raise ValueError(f"a per-sequence `{name}` needs the heads per sequence (`heads`) to "
+                         "find each row's sequence")
+    return value.astype(np.uint64)[row // np.uint64(heads)]
 
 
-def random_words(seed: int, offset: int, purpose: int, row, stream, draw):
+def random_words(seed, offset, purpose: int, row, stream, draw, *, heads=None):
     """First Philox output word for each (row, stream, draw), broadcast together.
 
     Parameters
     ----------
-    seed : int
-        64-bit seed, ``0 <= seed < 2**64``.
-    offset : int
-        Per-call counter, ``0 <= offset < 2**32``.
+    seed : int or integer ndarray of shape (B,)
+        64-bit seed, ``0 <= seed < 2**64``; an array gives sequence ``b`` the seed
+        ``seed[b]``.
+    offset : int or integer ndarray of shape (B,)
+        Per-call counter, ``0 <= offset < 2**32``; an array gives sequence ``b`` its own.
     purpose : int
         One of the ``PURPOSE_*`` constants.
     row, stream, draw : array_like of int
         Counter fields of the layout above (broadcast together).
+    heads : int, optional
+        Rows per sequence (``row = b * heads + h``); needed with per-sequence seeds or
+        offsets.
 
     Returns
     -------
@@ -104,18 +115,19 @@ def random_words(seed: int, offset: int, purpose: int, row, stream, draw):
     if row.size and int(row.max()) >= ROW_LIMIT:
         raise ValueError(f"row index must be below 2**28, got {int(row.max())}")
     word2 = (np.uint64(purpose) << np.uint64(PURPOSE_SHIFT)) | row
-    x0, _, _, _ = philox4x32(
-        (np.asarray(draw, dtype=np.uint64), np.asarray(stream, dtype=np.uint64), word2,
-         np.uint64(int(offset) & 0xFFFFFFFF)),
-        _key(seed),
-    )
-    return x0
+    seeds = _per_row("seed", seed, row, heads)
+    words = _per_row("offset", offset, row, heads) & np.uint64(0xFFFFFFFF)
+    mask = np.uint64(0xFFFFFFFF)
+    out = philox4x32_10(np.asarray(draw, dtype=np.uint64), np.asarray(stream, dtype=np.uint64),
+                        word2, words, seeds & mask, (seeds >> np.uint64(32)) & mask)
+    return np.asarray(out[0]).astype(np.uint32)
 
 
-def uniforms(seed: int, offset: int, purpose: int, row, stream, draw) -> np.ndarray:
-    """Uniforms on (0, 1) for each (row, stream, draw) of the layout, as float64.
+def uniforms(seed, offset, purpose: int, row, stream, draw, *, heads=None) -> np.ndarray:
+    """Uniforms on (0, 1) for each (row, stream, draw) of the layout, as float64
+    (``seed``, ``offset``, ``heads`` as in :func:`random_words`).
 
     The value is ``(2 * (x0 >> 9) + 1) * 2**-24``, exactly representable in float32.
     """
-    x0 = random_words(seed, offset, purpose, row, stream, draw).astype(np.uint64)
+    x0 = random_words(seed, offset, purpose, row, stream, draw, heads=heads).astype(np.uint64)
     return ((x0 >> np.uint64(UNIFORM_SHIFT)) * np.uint64(2) + np.uint64(1)).astype(np.float64) * UNIFORM_SCALE

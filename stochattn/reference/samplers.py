@@ -29,8 +29,8 @@ __all__ = ["SAMPLERS", "sample_points", "invert_cdf"]
 # SAMPLERS (re-exported) is defined in stochattn.spec, which the CUDA backend reads too.
 
 
-def sample_points(sampler: str, S: int, *, seed: int, offset: int, row, stream=0,
-                  purpose: int = PURPOSE_VALUE_SAMPLER) -> np.ndarray:
+def sample_points(sampler: str, S: int, *, seed, offset, row, stream=0,
+                  purpose: int = PURPOSE_VALUE_SAMPLER, heads=None) -> np.ndarray:
     """Sorted sample points in [0, 1), float64, shape ``broadcast(row, stream).shape + (S,)``.
 
     Parameters
@@ -39,7 +39,8 @@ def sample_points(sampler: str, S: int, *, seed: int, offset: int, row, stream=0
     S : int
         Number of points, >= 1.
     seed, offset, purpose : int
-        Stream selection (see :mod:`.rng`).
+        Stream selection (see :mod:`.rng`); ``seed`` and ``offset`` may also be per-sequence
+        arrays (B,), with ``heads`` rows per sequence (``row = b * heads + h``).
     row, stream : array_like of int
         Counter fields; broadcast together.
     """
@@ -47,13 +48,14 @@ def sample_points(sampler: str, S: int, *, seed: int, offset: int, row, stream=0
     r, s = row[..., None], stream[..., None]
     m = np.arange(S, dtype=np.int64)
     if sampler == "systematic":
-        u = uniforms(seed, offset, purpose, r, s, 0)
+        u = uniforms(seed, offset, purpose, r, s, 0, heads=heads)
         return (m + u) / S
     if sampler == "stratified":
-        u = uniforms(seed, offset, purpose, r, s, m)
+        u = uniforms(seed, offset, purpose, r, s, m, heads=heads)
         return (m + u) / S
     if sampler == "iid":
-        e = -np.log(uniforms(seed, offset, purpose, r, s, np.arange(S + 1, dtype=np.int64)))
+        e = -np.log(uniforms(seed, offset, purpose, r, s, np.arange(S + 1, dtype=np.int64),
+                                heads=heads))
         c = np.cumsum(e, axis=-1)  # prefix sums of the spacings
         return c[..., :S] / c[..., S:]
     raise ValueError(f"`sampler` must be one of {', '.join(map(repr, SAMPLERS))}, got {sampler!r}")

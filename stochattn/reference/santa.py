@@ -129,7 +129,8 @@ def _rows(B: int, Hq: int) -> np.ndarray:
 
 def global_points(sampler: str, S: int, B: int, Hq: int, *, seed: int, offset: int) -> np.ndarray:
     """The S sorted points of every row (stream 0), shape (B, Hq, S)."""
-    return sample_points(sampler, S, seed=seed, offset=offset, row=_rows(B, Hq), stream=0)
+    return sample_points(sampler, S, seed=seed, offset=offset, row=_rows(B, Hq), stream=0,
+                         heads=Hq)
 
 
 def global_indices(x: np.ndarray, sampler: str, S: int, *, seed: int, offset: int) -> np.ndarray:
@@ -279,7 +280,7 @@ def flash_estimate(x: np.ndarray, v: np.ndarray, lens: np.ndarray, sampler: str,
         St = -(-S // TL)
         # (Hq, TL, St) points, stream = tile index: each tile samples independently.
         pts = sample_points(sampler, St, seed=seed, offset=offset, row=rows[b][:, None],
-                            stream=np.arange(TL)[None, :])
+                            stream=np.arange(TL)[None, :], heads=Hq)
         local_j = invert_cdf(st.local[b, :, :TL], pts)  # rows inside each tile
         J = local_j + (np.arange(TL) * tile_size)[None, :, None]
         mu = v64[b][kv[:, None, None], J].mean(axis=2)  # (Hq, TL, D): local means
