@@ -1,6 +1,6 @@
 """stochattn: fast approximate attention for long-context LLM decoding.
 
-Layout everywhere: q (B, Hq, D); k, v (B, Hkv, N, D); seq_lens (B,). See docs/layout.md.
+Layout everywhere: q (B, Hq, D); k, v (B, Hkv, N, D); seq_lens (B,). See docs/conventions.md.
 
 Estimators: :func:`exact_attention`, :func:`santa_attention` (SANTA / S²ANTA),
 :func:`bernoulli_scores` (Bernoulli qK^T), :func:`build_doublep_index` and

@@ -225,5 +225,5 @@ def default_clusters(config: DecodeAttentionConfig, longest: int, tokens: int) -
 
 def rng_offset(decode_step: int, n_layers: int, layer: int) -> int:
     """Per-call counter of the random streams: ``(decode_step * n_layers + layer) mod 2**32``
-    (docs/layout.md), so that every layer and decode step draws fresh points."""
+    (docs/conventions.md), so that every layer and decode step draws fresh points."""
     return (int(decode_step) * int(n_layers) + int(layer)) % 2**32
