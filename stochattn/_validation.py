@@ -216,6 +216,21 @@ def _check_stream_word(name: str, value, bits: int, arrays: bool):
                     "of shape () or (batch,) is accepted too)")
 
 
+# The most host memory one reference call may ask for; the reference is for checking and
+# studies, and an accidental budget of 10**7 once asked for 19 GiB and was OOM-killed.
+REFERENCE_MEMORY_LIMIT = 4 * 2**30
+
+
+def check_reference_memory(name: str, value, nbytes: int, formula: str) -> None:
+    """Refuse a reference call whose arrays would need more than REFERENCE_MEMORY_LIMIT
+    bytes, naming the argument that drives the size (``formula`` says how it counts)."""
+    if nbytes > REFERENCE_MEMORY_LIMIT:
+        raise ValueError(
+            f"`{name}` = {value} would need about {nbytes / 2**30:.1f} GiB of host memory in the "
+            f"reference ({formula}), above its limit of "
+            f"{REFERENCE_MEMORY_LIMIT / 2**30:.0f} GiB per call: use a smaller `{name}`")
+
+
 def check_per_sequence(name: str, value, batch: int) -> None:
     """A per-call array (``seed``, ``offset``) must have shape () or (batch,)."""
     shape = tuple(int(s) for s in getattr(value, "shape", ()))

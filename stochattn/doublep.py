@@ -567,6 +567,11 @@ class _DecodePlan(Plan):
                                 self.check_finite, diagnose, **self._kernel_options(seed, offset))
         backend_of(q=q, k=k, v=v, seq_lens=seq_lens)  # host seq_lens only, for the reference
         shape = val.check_attention_inputs(q, k, v, seq_lens)
+        if getattr(self, "budget", None) is not None:
+            val.check_reference_memory(
+                "budget", self.budget,
+                8 * shape.batch * shape.q_heads * self.budget * (shape.head_dim + 3),
+                "8 B x batch x q_heads x budget x (head_dim + 3): points, indices, V rows")
         scale = val.check_scale(self.softmax_scale, shape.head_dim)
         lens = _check_index(index, shape, seq_lens)
         if self.check_finite:

@@ -231,6 +231,11 @@ def _santa_reference(q, k, v, seq_lens, plan, seed, offset, diagnose):
 
     backend_of(q=q, k=k, v=v, seq_lens=seq_lens)  # host seq_lens only, for the reference
     shape = val.check_attention_inputs(q, k, v, seq_lens)
+    tiles = -(-shape.tokens // plan.tile_size)
+    val.check_reference_memory(
+        "budget", plan.budget,
+        8 * shape.batch * shape.q_heads * (plan.budget + tiles) * (shape.head_dim + 3),
+        "8 B x batch x q_heads x (budget + tiles) x (head_dim + 3): points, indices, V rows")
     scale = val.check_scale(plan.softmax_scale, shape.head_dim)
     if plan.check_finite:
         val.check_finite(q=q, k=k, v=v)

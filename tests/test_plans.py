@@ -277,3 +277,15 @@ def test_the_gpu_path_says_stream_arrays_are_not_there_yet():
                                                    r"kernels yet; pass an int"):
         check_stream_arrays("cuda", 0, np.array([1, 2]), 2, False)
     check_stream_arrays("cuda", 0, 5, 2, False)  # ints: fine
+
+
+def test_the_reference_refuses_a_budget_that_would_exhaust_host_memory():
+    """Issue 33: budget=10**7 at N=256 once asked for 19.1 GiB and was OOM-killed."""
+    q, k, v, lens = _inputs(N=256, D=64)
+    with pytest.raises(ValueError, match=r"`budget` = 10000000 would need about \d+\.\d GiB of host "
+                                         r"memory in the reference .* use a smaller `budget`"):
+        stochattn.santa_attention(q, k, v, budget=10**7)
+    index = _index(k, v, np.array([256, 256]))
+    with pytest.raises(ValueError, match=r"`budget` = 10000000 would need"):
+        stochattn.doublep_attention(q, k, v, index=index, approx="sample", budget=10**7)
+    assert stochattn.santa_attention(q, k, v, budget=4096).shape == q.shape  # 17 MiB: fine
