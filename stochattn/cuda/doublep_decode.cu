@@ -29,14 +29,14 @@
 //    - a cluster CTA (centroid mode) adds the C_approx clusters as pseudo-tokens:
 //      logit xb, value value_sums / size, one warp per cluster row.
 //    Every CTA writes a normalised partial and its (max, sum) per head.
-// 5. exact_decode_merge (exact_decode.cu) combines the partials.
+// 5. exact_decode_merge (merge.cuh) combines the partials.
 //
 // Lengths: the index's (seq_lens and window_start on the device, int64), clamped to the
 // cache and label axes. The logits, weights and sums are float32 (the reference: float64),
 // so a cluster whose cumulative mass lies within float32 rounding of p1 or p2 may be
 // selected differently (documented near-ties).
 #include "decode_common.cuh"
-#include "exact_decode.cu"
+#include "merge.cuh"
 #include "group_state.cuh"
 
 using namespace stochattn;

@@ -17,6 +17,7 @@
 // G <= GMAX is a run-time argument.
 #include "decode_common.cuh"
 #include "group_state.cuh"
+#include "merge.cuh"
 
 using namespace stochattn;
 
@@ -132,18 +133,4 @@ exact_decode_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __
   if (counters)
     merge_if_last_chunk<T, D>(counters, (long long)b * Hkv + kvh, G, head0, part_o, part_ml, out,
                               num_chunks);
-}
-
-// Combine the chunks of each (b, query head) (group_state.cuh: merge_chunk_partials) when
-// the chunk kernel did not (counters null, MERGE_IN_KERNEL False; Double-P and S²ANTA-prop
-// always use this launch).
-// Grid (B * Hq), block (D).
-template <typename T>
-__global__ void exact_decode_merge(const float* __restrict__ part_o,
-                                   const float* __restrict__ part_ml, T* __restrict__ out,
-                                   int num_chunks, int D) {
-  STOCHATTN_PDL_ENTRY();
-  const long long row = blockIdx.x;
-  const int d = threadIdx.x;
-  out[row * D + d] = Elem<T>::from_float(merge_chunk_partials(part_o, part_ml, row, d, num_chunks, D));
 }

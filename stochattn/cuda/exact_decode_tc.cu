@@ -40,7 +40,9 @@
 #include "decode_common.cuh"
 #include "group_state.cuh"
 #include "tc_common.cuh"
-#include "exact_decode.cu"
+#include "merge.cuh"
+
+using namespace stochattn;
 
 
 template <typename T, int D, int WARPS, int ROWS, int STAGES>

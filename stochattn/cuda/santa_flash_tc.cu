@@ -19,7 +19,8 @@
 // the ring, STAGES * ROWS * D * 2 bytes; xs [GMAX][TS + 8] fp32 (rows padded by 8 floats,
 // so the 8 heads' lanes store to different banks); cnt [GMAX][TS] int32 (zero between
 // tiles); list [TS] int32. After the loop the CTA's shared memory holds the merge buffers.
-#include "santa_flash.cu"
+#include "merge.cuh"
+#include "flash_tile.cuh"
 #include "tc_common.cuh"
 
 using namespace stochattn;
