@@ -50,6 +50,11 @@ class Inputs:
     def __init__(self, ops, q, k, v, key):
         self.ops, self.q, self.k, self.v, self.key = ops, q, k, v, key
 
+    @property
+    def device(self) -> int:
+        """The device of ``q`` (-1 on the host), from the key (no attribute reads)."""
+        return self.key[1][2]
+
     def pointers(self):
         """(q, k, v) device pointers as typed kernel arguments; copies inputs that are not
         C-contiguous or not 16-byte aligned (kept alive on ``self``)."""

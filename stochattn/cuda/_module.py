@@ -2,8 +2,9 @@
 
 ``import stochattn.cuda`` compiles nothing; the first call that needs a family compiles
 all of its template instantiations (``_sources.name_expressions``) once per device,
-process and tiling configuration (``_sources.TileConfig``: its ``-D`` options are part of
-the cache key; CuPy also caches the binary on disk, keyed on the source text and options).
+process and configuration (a :class:`.config.GpuConfig`: its compile options and element
+types are part of the cache key; CuPy also caches the binary on disk, keyed on the source
+text and options).
 """
 
 from __future__ import annotations
@@ -14,35 +15,44 @@ import threading
 import numpy as np
 
 from . import _abi, _sources
+from . import config as _config
 
 __all__ = ["get_kernel", "Launcher", "Packed", "ctas_per_sm", "num_sms", "choose_chunks",
            "split_tokens", "split_kv"]
 
 _lock = threading.Lock()
 _modules: dict = {}  # (family, device id, options, dtypes) -> cupy.RawModule
-_occupancy: dict = {}  # (family, name, device id, threads, options, smem) -> CTAs per SM
-_dtypes = [None]  # element types to instantiate (None: all); tuning compiles fewer
+_occupancy: dict = {}  # (family, name, device id, threads, options, dtypes, smem) -> CTAs per SM
+
+
+def gpu_config(config=None) -> "_config.GpuConfig":
+    """``config`` as a :class:`.config.GpuConfig`: None gives the process default, a bare
+    :class:`.config.TileConfig` the default with that tiling (tuning tools)."""
+    if config is None:
+        return _config.get_config()
+    if isinstance(config, _config.TileConfig):
+        return _config.get_config().replace(tiling=config)
+    return config
 
 
 def limit_dtypes(dtypes=None):
-    """Instantiate only these element types (e.g. ``("float16",)``; None: all) in modules
-    compiled from now on: a tuning run compiles a third of the kernels."""
-    _dtypes[0] = None if dtypes is None else tuple(sorted(dtypes))
+    """Deprecated: ``config.set_config(dtypes=...)``."""
+    _config.set_config(dtypes=None if dtypes is None else tuple(dtypes))
 
 
 def _module(family: str, config=None):
     import cupy
 
-    config = config or _sources.get_config()
+    config = gpu_config(config)
     dev = cupy.cuda.Device().id
-    options = config.options()
-    key = (family, dev, options, _dtypes[0])
+    options = config.tiling.options()
+    key = (family, dev, options, config.dtypes)
     mod = _modules.get(key)
     if mod is None:
         # Built outside the lock so that different configurations compile in parallel
         # threads (tuning); two threads racing on one key both compile, one result is kept.
         mod = cupy.RawModule(code=_sources.source_text(family), options=options,
-                             name_expressions=_sources.name_expressions(family, _dtypes[0]))
+                             name_expressions=_sources.name_expressions(family, config.dtypes))
         with _lock:
             mod = _modules.setdefault(key, mod)
     return mod
@@ -50,7 +60,7 @@ def _module(family: str, config=None):
 
 def get_kernel(family: str, name: str, config=None):
     """The compiled kernel ``name`` (one of the family's name expressions) on the current
-    device, for the tiling ``config`` (default: the active one)."""
+    device, under ``config`` (a :class:`.config.GpuConfig`; default: the process default)."""
     return _module(family, config).get_function(name)
 
 
@@ -236,13 +246,6 @@ class StreamCounters:
         return ops.ptr(a)
 
 
-#: With several chunks, the last CTA of each (sequence, KV head) merges the chunk partials
-#: inside the chunk launch of exact decode and S²ANTA-flash (one launch per call; bit for bit
-#: the two-launch result). False: a separate exact_decode_merge launch (tests and
-#: benchmarks compare the two; read when a call looks up its plan, part of the plan key).
-MERGE_IN_KERNEL = True
-
-
 class ChunkMerge:
     """The chunk partials of a split-KV launch (exact decode, S²ANTA-flash) and how they
     are combined. One scratch buffer per call holds the partial outputs (fp32, ``rows x
@@ -323,9 +326,9 @@ def ctas_per_sm(family: str, name: str, threads: int, dyn_smem: int = 0, config=
     reserved per CTA, 64 warps)."""
     import cupy
 
-    config = config or _sources.get_config()
+    config = gpu_config(config)
     dev = cupy.cuda.Device().id
-    key = (family, name, dev, threads, config.options(), _dtypes[0], dyn_smem)
+    key = (family, name, dev, threads, config.tiling.options(), config.dtypes, dyn_smem)
     if key not in _occupancy:
         k = get_kernel(family, name, config)
         try:
@@ -367,12 +370,28 @@ def split_tokens(family: str, name: str, smem: int, config, units: int, tokens: 
     """``(num_chunks, chunk_len)`` of a split-KV launch of kernel ``name``.
 
     Default: :func:`choose_chunks` for the kernel's occupancy on this device (``threads``
-    per CTA, default ``config.threads``); an explicit ``num_chunks`` (tests, tuning) is
+    per CTA, default the tiling's); an explicit ``num_chunks`` (tests, tuning) is
     honoured with ``chunk_len`` rounded up to ``align``.
     """
     if num_chunks is None:
-        threads = config.threads if threads is None else threads
+        threads = gpu_config(config).tiling.threads if threads is None else threads
         slots = num_sms() * ctas_per_sm(family, name, threads, smem, config)
         return choose_chunks(units, tokens, align, slots)
     chunk_len = math.ceil(math.ceil(tokens / num_chunks) / align) * align
     return math.ceil(tokens / chunk_len), chunk_len
+
+
+class _DeprecatedGlobals(type(__import__("sys"))):
+    """``MERGE_IN_KERNEL``: a deprecated spelling of ``config.get_config().merge_in_kernel``
+    (reads and writes the process default), kept for tests and tools that set it."""
+
+    @property
+    def MERGE_IN_KERNEL(self):  # noqa: N802 - the old global's name
+        return _config.get_config().merge_in_kernel
+
+    @MERGE_IN_KERNEL.setter
+    def MERGE_IN_KERNEL(self, value):  # noqa: N802
+        _config.set_config(merge_in_kernel=bool(value))
+
+
+__import__("sys").modules[__name__].__class__ = _DeprecatedGlobals

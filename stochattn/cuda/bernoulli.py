@@ -7,6 +7,7 @@ import math
 from .. import _validation as val
 from . import _abi, _inputs, _module, _sources
 from ._sources import group_max
+from .config import get_config
 from .santa import _FAMILY, _FM_THREADS, _FM_TOKENS_PER_PASS, _QHAT_THREADS, _check_feature_major, \
     _feature_major_input, check_draws
 
@@ -48,7 +49,8 @@ def bernoulli_scores_gpu(q, k, seq_lens=None, *, draws=4, group_shared=False, se
     if k_feature_major is not None:
         k_feature_major = _feature_major_input(inp, k_feature_major)
         _check_feature_major(ops.meta(k_feature_major), inp, s, device)
-    config = _sources.get_config()
+    cfg = get_config(device)
+    config = cfg.tiling
     ctype = _sources.CTYPES[dtype_name]
     gm = group_max(s.group)
     n_pad = math.ceil(s.tokens / 8) * 8
@@ -64,7 +66,7 @@ def bernoulli_scores_gpu(q, k, seq_lens=None, *, draws=4, group_shared=False, se
         ptr = {"qhat": ops.ptr(qhat), "feat": ops.ptr(feat), "nfeat": ops.ptr(nfeat),
                "logits": ops.ptr(x)}
         qhat_k = _abi.kernel(_FAMILY, "bernoulli_qhat")
-        _module.launcher(_FAMILY, qhat_k.expr(T=ctype), 0, config)(
+        _module.launcher(_FAMILY, qhat_k.expr(T=ctype), 0, cfg)(
             (s.kv_heads, s.batch), (_QHAT_THREADS,),
             qhat_k.args_of(q=qp, qhat=ptr["qhat"], feat=ptr["feat"], nfeat=ptr["nfeat"],
                            frac=ops.ptr(frac), Hkv=s.kv_heads, G=s.group, D=s.head_dim,
@@ -74,10 +76,10 @@ def bernoulli_scores_gpu(q, k, seq_lens=None, *, draws=4, group_shared=False, se
             logits_k = _abi.kernel(_FAMILY, "santa_prop_logits")
             name = logits_k.expr(T=ctype, D=s.head_dim, GMAX=gm, QHAT=True)
             smem = config.smem_bytes(_FAMILY, s.head_dim, gm)
-            chunks, chunk_len = _module.split_tokens(_FAMILY, name, smem, config,
+            chunks, chunk_len = _module.split_tokens(_FAMILY, name, smem, cfg,
                                                      s.batch * s.kv_heads, s.tokens,
                                                      config.tile_rows(s.head_dim))
-            _module.launcher(_FAMILY, name, smem, config)(
+            _module.launcher(_FAMILY, name, smem, cfg)(
                 (chunks, s.kv_heads, s.batch), (config.threads,),
                 logits_k.args_of(qv=ptr["qhat"], k=kp, seq_lens=lens, logits=ptr["logits"],
                                  Hkv=s.kv_heads, G=s.group, N=s.tokens, chunk_len=chunk_len,
@@ -85,10 +87,10 @@ def bernoulli_scores_gpu(q, k, seq_lens=None, *, draws=4, group_shared=False, se
         else:
             fm_k = _abi.kernel(_FAMILY, "bernoulli_logits_fm")
             name = fm_k.expr(T=ctype, GMAX=gm)
-            chunks, chunk_len = _module.split_tokens(_FAMILY, name, 0, config,
+            chunks, chunk_len = _module.split_tokens(_FAMILY, name, 0, cfg,
                                                      s.batch * s.kv_heads, s.tokens,
                                                      _FM_TOKENS_PER_PASS)
-            _module.launcher(_FAMILY, name, 0, config)(
+            _module.launcher(_FAMILY, name, 0, cfg)(
                 (chunks, s.kv_heads, s.batch), (_FM_THREADS,),
                 fm_k.args_of(qhat=ptr["qhat"], kfm=ops.ptr(k_feature_major), feat=ptr["feat"],
                              nfeat=ptr["nfeat"], seq_lens=lens, logits=ptr["logits"],

@@ -35,6 +35,7 @@ from ..spec import PURPOSE_CLUSTER_SAMPLER, SAMPLERS
 from . import _abi, _inputs, _module, _sources
 from ._arrays import ops_for
 from ._sources import group_max
+from .config import get_config
 from .santa import _SAMPLE_THREADS, _TILE_LOGITS_PER_CTA, _TILE_THREADS, _TILES_VARIABLE, \
     SAMPLE_VARIABLE, _layout, _align, sampler_code
 
@@ -121,11 +122,11 @@ def doublep_decode(q, k, v, index, *, p1=1.0, p2=1.0, clusters=None, budget=None
         seed, offset = val.check_seed_offset(seed, offset)
     inp = _inputs.gather(q, k, v)
     ix = _IndexArrays.of(index)
-    config = _sources.get_config()
+    cfg = get_config(inp.device)
     key = ("doublep", inp.key, ix.key, centroid, sample, type(softmax_scale), softmax_scale,
-           type(num_chunks), num_chunks, config, SORT_SELECT_MAX_CLUSTERS)
+           type(num_chunks), num_chunks, cfg, SORT_SELECT_MAX_CLUSTERS)
     plan = _inputs.cached_plan(
-        key, lambda: _DoublePPlan(inp, ix, centroid, softmax_scale, num_chunks, config, sample))
+        key, lambda: _DoublePPlan(inp, ix, centroid, softmax_scale, num_chunks, cfg, sample))
     return plan.run(inp, ix, int(index.n_sink), float(p1), float(p2),
                     0 if clusters is None else int(clusters), bool(return_diagnostics),
                     (int(seed), int(offset)), bool(return_indices))
@@ -213,7 +214,8 @@ class _IndexArrays:
 class _DoublePPlan:
     """Everything one configuration of :func:`doublep_decode` needs, resolved once."""
 
-    def __init__(self, inp, ix, centroid, softmax_scale, num_chunks, config, sample):
+    def __init__(self, inp, ix, centroid, softmax_scale, num_chunks, cfg, sample):
+        config = cfg.tiling  # the device's GpuConfig's tiling
         s, scale, self.device, dtype_name = _inputs.base_plan(inp, softmax_scale)
         num_chunks = _inputs.check_num_chunks(num_chunks)
         C, NL = ix.check(s, self.device)
@@ -229,27 +231,27 @@ class _DoublePPlan:
         pairs = s.batch * s.kv_heads
         with _inputs.device_scope(self.device):
             logits = _module.launcher(fam, k("doublep_cluster_logits").expr(T=ctype, D=D, GMAX=gm),
-                                      0, config)
+                                      0, cfg)
             self.sorted = C <= min(SORT_SELECT_MAX_CLUSTERS, _SORT_MAX_CLUSTERS)
             if self.sorted:
                 self.sort_p = max(2 * _SORT_THREADS, 1 << (C - 1).bit_length())
                 select = _module.launcher(fam, k("doublep_select_sorted").expr(), 8 * self.sort_p,
-                                          config)
+                                          cfg)
                 self.select_threads = _SORT_THREADS
             else:
-                select = _module.launcher(fam, k("doublep_select").expr(), 0, config)
+                select = _module.launcher(fam, k("doublep_select").expr(), 0, cfg)
                 self.select_threads = _SELECT_THREADS
             flag = sample is not None
-            rows_k = _module.launcher(fam, k("doublep_rows").expr(GMAX=gm, SAMPLE=flag), 0, config)
+            rows_k = _module.launcher(fam, k("doublep_rows").expr(GMAX=gm, SAMPLE=flag), 0, cfg)
             name = k("doublep_attend").expr(T=ctype, D=D, GMAX=gm, SAMPLE=flag)
             smem = stage + _align(_LIST_CAP * (5 if sample is None else 6), 16)
-            attend = _module.launcher(fam, name, smem, config)
+            attend = _module.launcher(fam, name, smem, cfg)
             cl_chunks = math.ceil(C / _CLUSTERS_PER_ATTEND_CTA) if centroid and not sample else 0
             if sample is not None:
                 prop = functools.partial(_abi.kernel, "santa_prop")
-                tiles = _module.launcher("santa_prop", prop("santa_prop_tiles").expr(), 0, config)
+                tiles = _module.launcher("santa_prop", prop("santa_prop_tiles").expr(), 0, cfg)
                 sample_k = _module.launcher("santa_prop",
-                                            prop("santa_prop_sample").expr(T=ctype, D=D), 0, config)
+                                            prop("santa_prop_sample").expr(T=ctype, D=D), 0, cfg)
             if num_chunks is None:
                 # Two waves' worth of token CTAs (a token CTA takes an equal share of its
                 # row list, so its work does not depend on where the exact tokens lie; the
@@ -258,17 +260,17 @@ class _DoublePPlan:
                 # (bench/tune_doublep.py): B=8 / 128k 255 us at 16 per pair against 393 at
                 # 4 and 285 at 64; B=32 / 32k best at 4 to 8.
                 slots = _module.num_sms() * _module.ctas_per_sm(fam, name, config.threads, smem,
-                                                                config)
+                                                                cfg)
                 tok_chunks = max(1, min(math.ceil(cap / 128), round(2 * slots / pairs)))
             else:
                 tok_chunks = num_chunks
             self.list_off = stage
             # Partials: the token CTAs', the cluster CTAs' (centroid) or the draws' (sample).
             total = tok_chunks + cl_chunks + (sample is not None)
-            merge = (_module.launcher(fam, k("exact_decode_merge").expr(T=ctype), 0, config)
+            merge = (_module.launcher(fam, k("exact_decode_merge").expr(T=ctype), 0, cfg)
                      if total > 1 else None)
             self.true_mass = _module.launcher(fam, k("doublep_true_mass").expr(T=ctype, D=D, GMAX=gm),
-                                              0, config)
+                                              0, cfg)
         self.tok_chunks, self.total = tok_chunks, total
         self.slices = max(1, math.ceil(cap / _SLICE_TOKENS))
         rows = s.batch * s.q_heads

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from . import _abi, _inputs, _module, _sources
+from .config import get_config
 
 __all__ = ["exact_decode", "KERNELS", "DEFAULT_KERNEL"]
 
@@ -20,11 +21,6 @@ DEFAULT_KERNEL = "tc"
 # The chunk kernels' per-call arguments (both kernels take the same arguments); a single
 # chunk writes `out` and no partials (their pointers stay null).
 _CHUNK_VARIABLE = ("q", "k", "v", "seq_lens", "out", "part_o", "part_ml", "counters")
-
-
-def _tile_rows(head_dim: int, config=None) -> int:
-    """Rows per pipeline stage of the active tiling (decode_common.cuh: kStageBytes / (2 D))."""
-    return (config or _sources.get_config()).tile_rows(head_dim)
 
 
 def exact_decode(q, k, v, seq_lens=None, *, softmax_scale=None, num_chunks=None,
@@ -86,22 +82,22 @@ def exact_decode(q, k, v, seq_lens=None, *, softmax_scale=None, num_chunks=None,
         raise ValueError(f"`kernel` must be one of {', '.join(map(repr, KERNELS))} or None, "
                          f"got {kernel!r}")
     inp = _inputs.gather(q, k, v)
-    config = _sources.get_config()
-    tiling = _sources.get_tc_tiling() if kernel == "tc" else None
-    in_kernel = bool(_module.MERGE_IN_KERNEL)
+    cfg = get_config(inp.device)
     key = ("exact_decode", inp.key, type(softmax_scale), softmax_scale, type(num_chunks), num_chunks,
-           config, kernel, tiling, in_kernel)
-    plan = _inputs.cached_plan(key, lambda: _ExactPlan(inp, softmax_scale, num_chunks, config,
-                                                       tiling, in_kernel))
+           cfg, kernel)
+    plan = _inputs.cached_plan(key, lambda: _ExactPlan(inp, softmax_scale, num_chunks, cfg,
+                                                       kernel == "tc"))
     return plan.run(inp, seq_lens, check_seq_lens)
 
 
 class _ExactPlan:
     """Everything one configuration of :func:`exact_decode` needs, resolved once."""
 
-    def __init__(self, inp, softmax_scale, num_chunks, config, tiling=None, in_kernel=True):
-        """``tiling``: a :class:`_sources.TcTiling` for the tensor-core kernel, None for
-        the CUDA-core one; ``in_kernel``: merge the chunks inside the chunk launch."""
+    def __init__(self, inp, softmax_scale, num_chunks, cfg, tensor_cores):
+        """``cfg``: the device's :class:`.config.GpuConfig`; ``tensor_cores``: the
+        tensor-core kernel (``cfg.tc_tiling``), else the CUDA-core one."""
+        config, in_kernel = cfg.tiling, cfg.merge_in_kernel
+        tiling = cfg.tc_tiling if tensor_cores else None
         s, scale, self.device, dtype_name = _inputs.base_plan(inp, softmax_scale)
         num_chunks = _inputs.check_num_chunks(num_chunks)
         self.shape = s
@@ -111,7 +107,7 @@ class _ExactPlan:
             family = "exact_decode"
             decl = _abi.kernel(family, "exact_decode_chunk")
             name = decl.expr(T=ctype, D=s.head_dim, GMAX=gm)
-            align, self.threads = _tile_rows(s.head_dim, config), config.threads
+            align, self.threads = config.tile_rows(s.head_dim), config.threads
             smem = config.smem_bytes("exact_decode", s.head_dim, gm)
         else:
             family = "exact_decode_tc"
@@ -121,7 +117,7 @@ class _ExactPlan:
             smem = tiling.smem_bytes(s.head_dim)
         with _inputs.device_scope(self.device):
             chunk, chunks, chunk_len, self.split = _module.split_kv(
-                family, name, smem, config, s, ctype, align, num_chunks, self.threads, in_kernel)
+                family, name, smem, cfg, s, ctype, align, num_chunks, self.threads, in_kernel)
         self.chunks, self.chunk_len = chunks, chunk_len
         self.out_shape = (s.batch, s.q_heads, s.head_dim)
         self.chunk = _module.Packed(

@@ -12,6 +12,7 @@ from .. import _validation as val
 from ..spec import SAMPLERS
 from . import _abi, _inputs, _module, _sources
 from ._sources import group_max
+from .config import flash_tc_smem_bytes, get_config, smem_limit
 from .santa import sampler_code
 
 __all__ = ["santa_flash", "FlashTileStats", "flash_diagnostics", "TILE_SIZES", "KERNELS"]
@@ -19,7 +20,7 @@ __all__ = ["santa_flash", "FlashTileStats", "flash_diagnostics", "TILE_SIZES", "
 _FAMILY = "santa_flash"
 _FAMILY_TC = "santa_flash_tc"
 # Step 1 (the tile's logits): "simt" on the CUDA cores (santa_flash.cu) or "tc" on the
-# tensor cores (santa_flash_tc.cu, tilings _sources.FLASH_TC_TILINGS); same draws, same
+# tensor cores (santa_flash_tc.cu, tilings config.FLASH_TC_TILINGS); same draws, same
 # estimator. The default stays "simt" until bench/tune_flash.py has timed "tc" on the GPU.
 KERNELS = ("simt", "tc")
 DEFAULT_KERNEL = "simt"
@@ -29,7 +30,7 @@ _CHUNK_VARIABLE = ("q", "k", "v", "seq_lens", "out", "part_o", "part_ml", "count
                    "tile_m_out", "tile_l_out", "samples_out", "seed", "offset")
 # At most G * S_t <= 8 * 2**27 draws per tile share one int32 counter (santa_flash.cu).
 FLASH_MAX_BUDGET = 2**27
-# Powers of two from 32 up to santa_flash.cu's kFlashMaxTile.
+# Powers of two from 32 up to flash_tile.cuh's kFlashMaxTile.
 TILE_SIZES = tuple(32 << i for i in range((_abi.constant(_FAMILY, "kFlashMaxTile") // 32)
                                           .bit_length()))
 
@@ -102,9 +103,9 @@ def santa_flash(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_si
         Check GPU ``seq_lens`` values against [0, N] (one device-to-host copy and a sync).
     kernel : {"simt", "tc"}, optional
         How each tile's logits are computed: on the CUDA cores ("simt") or with mma.sync on
-        the tensor cores ("tc"; the tiling of ``_sources.get_flash_tc_tiling()``). The draws
-        and the estimator are the same; the logits differ by fp32 rounding. Default (None):
-        :data:`DEFAULT_KERNEL`.
+        the tensor cores ("tc"; the tiling is the device config's ``flash_tc_tiling``,
+        :mod:`stochattn.cuda.config`). The draws and the estimator are the same; the logits
+        differ by fp32 rounding. Default (None): :data:`DEFAULT_KERNEL`.
 
     Returns
     -------
@@ -137,25 +138,24 @@ def santa_flash(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_si
     seed, offset = val.check_seed_offset(seed, offset)
     want_idx = val.check_bool("return_indices", return_indices)
     want_stats = val.check_bool("return_tile_stats", return_tile_stats)
-    tiling = _tc_tiling(DEFAULT_KERNEL if kernel is None else kernel)
+    kernel = _check_kernel(DEFAULT_KERNEL if kernel is None else kernel)
     inp = _inputs.gather(q, k, v)
-    config = _sources.get_config()
-    in_kernel = bool(_module.MERGE_IN_KERNEL)
+    cfg = get_config(inp.device)
+    tiling = cfg.flash_tc_tiling if kernel == "tc" else None
     key = (_FAMILY, inp.key, type(budget), budget, sampler, type(tile_size), tile_size,
-           type(softmax_scale), softmax_scale, type(num_chunks), num_chunks, config, in_kernel,
-           tiling)
+           type(softmax_scale), softmax_scale, type(num_chunks), num_chunks, cfg, tiling)
     plan = _inputs.cached_plan(
-        key, lambda: _FlashPlan(inp, budget, sampler, tile_size, softmax_scale, num_chunks, config,
-                                in_kernel, tiling))
+        key, lambda: _FlashPlan(inp, budget, sampler, tile_size, softmax_scale, num_chunks, cfg,
+                                tiling))
     return plan.run(inp, seq_lens, check_seq_lens, seed, offset, want_idx, want_stats)
 
 
-def _tc_tiling(kernel):
-    """The tensor-core tiling for ``kernel="tc"``, None for "simt"."""
+def _check_kernel(kernel):
+    """``kernel`` if it is one of :data:`KERNELS`."""
     if kernel not in KERNELS:
         raise ValueError(f"`kernel` must be one of {', '.join(map(repr, KERNELS))} or None, "
                          f"got {kernel!r}")
-    return _sources.get_flash_tc_tiling() if kernel == "tc" else None
+    return kernel
 
 
 def _check_tile_size(tile_size) -> int:
@@ -169,8 +169,11 @@ def _check_tile_size(tile_size) -> int:
 class _FlashPlan:
     """Everything one configuration of :func:`santa_flash` needs, resolved once."""
 
-    def __init__(self, inp, budget, sampler, tile_size, softmax_scale, num_chunks, config,
-                 in_kernel=True, tiling=None):
+    def __init__(self, inp, budget, sampler, tile_size, softmax_scale, num_chunks, cfg,
+                 tiling=None):
+        """``cfg``: the device's :class:`.config.GpuConfig`; ``tiling``: its
+        ``flash_tc_tiling`` for the tensor-core kernel, None for the CUDA-core one."""
+        config = cfg.tiling
         S = _inputs.check_gpu_budget(budget, FLASH_MAX_BUDGET)
         val.check_choice("sampler", sampler, SAMPLERS)
         ts = _check_tile_size(tile_size)
@@ -193,17 +196,18 @@ class _FlashPlan:
             name = decl.expr(T=ctype, D=s.head_dim, GMAX=gm)
         else:
             family, self.threads = _FAMILY_TC, tiling.threads
-            smem = _sources.flash_tc_smem_bytes(tiling, s.head_dim, gm, ts)
-            if smem > _sources.smem_limit():
+            smem = flash_tc_smem_bytes(tiling, s.head_dim, gm, ts)
+            if smem > smem_limit():
                 raise ValueError(f"`tile_size` {ts} with kernel='tc' (tiling {tiling.label()}, "
                                  f"head_dim {s.head_dim}, {gm} heads per group) needs {smem} "
                                  f"bytes of shared memory per CTA, more than the "
-                                 f"{_sources.smem_limit()} available: use a smaller tile_size")
+                                 f"{smem_limit()} available: use a smaller tile_size")
             decl = _abi.kernel(family, "santa_flash_tc_chunk")
             name = decl.expr(T=ctype, D=s.head_dim, GMAX=gm, **tiling.params())
         with _inputs.device_scope(self.device):
             chunk, chunks, chunk_len, self.split = _module.split_kv(
-                family, name, smem, config, s, ctype, align, num_chunks, self.threads, in_kernel)
+                family, name, smem, cfg, s, ctype, align, num_chunks, self.threads,
+                cfg.merge_in_kernel)
         self.chunks, self.chunk_len = chunks, chunk_len
         self.out_shape = (s.batch, s.q_heads, s.head_dim)
         self.idx_stride = S + n_tiles - 1  # >= T_L * ceil(S / T_L) for every T_L <= n_tiles

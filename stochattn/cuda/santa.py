@@ -11,6 +11,7 @@ import numpy as np
 from .. import _validation as val
 from ..spec import PURPOSE_VALUE_SAMPLER, SAMPLERS
 from . import _abi, _inputs, _module, _sources
+from .config import get_config
 from ._sources import group_max
 
 __all__ = ["santa_prop", "TILE_SIZES", "KERNELS"]
@@ -128,15 +129,13 @@ def santa_prop(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_siz
     if k_feature_major is not None:
         k_feature_major = _feature_major_input(inp, k_feature_major)
         kfm_meta = inp.ops.meta(k_feature_major)
-    config = _sources.get_config()  # pass 1 tiling of the CUDA-core kernels
-    tc_tiling = _sources.get_prop_tc_tiling()
+    cfg = get_config(inp.device)
     # Every option is in the key with its type (True and 1 are different keys); a miss
     # validates them all in the plan's constructor, so a hit needs no checks.
     opts = (budget, sampler, tile_size, softmax_scale, num_chunks, return_indices, scores,
             bernoulli_draws, bernoulli_group_shared, return_feature_fraction, kernel)
-    key = ("santa_prop", inp.key, kfm_meta, config, tc_tiling,
-           tuple(type(o) for o in opts), opts)
-    plan = _inputs.cached_plan(key, lambda: _PropPlan.build(inp, kfm_meta, config, tc_tiling, *opts))
+    key = ("santa_prop", inp.key, kfm_meta, cfg, tuple(type(o) for o in opts), opts)
+    plan = _inputs.cached_plan(key, lambda: _PropPlan.build(inp, kfm_meta, cfg, *opts))
     return plan.run(inp, seq_lens, check_seq_lens, seed, offset, bool(return_indices),
                     k_feature_major)
 
@@ -195,17 +194,20 @@ class _PropPlan:
     """Everything one configuration of :func:`santa_prop` needs, resolved once."""
 
     @classmethod
-    def build(cls, inp, kfm_meta, config, tc_tiling, budget, sampler, tile_size, softmax_scale,
+    def build(cls, inp, kfm_meta, cfg, budget, sampler, tile_size, softmax_scale,
               num_chunks, return_indices, scores, draws, group_shared, want_frac, kernel):
         """Validate the options of one configuration and build its plan."""
         want_frac = val.check_bool("return_feature_fraction", want_frac)
         score = _ScoreStage.of(scores, draws, group_shared, kfm_meta, want_frac)
-        tiling = _pass1_tiling(kernel, score, tc_tiling)
-        return cls(inp, budget, sampler, tile_size, softmax_scale, num_chunks, config, score,
+        tiling = _pass1_tiling(kernel, score, cfg.prop_tc_tiling)
+        return cls(inp, budget, sampler, tile_size, softmax_scale, num_chunks, cfg, score,
                    tiling)
 
-    def __init__(self, inp, budget, sampler, tile_size, softmax_scale, num_chunks, config, score,
+    def __init__(self, inp, budget, sampler, tile_size, softmax_scale, num_chunks, cfg, score,
                  tiling=None):
+        """``cfg``: the device's :class:`.config.GpuConfig`; ``tiling``: its
+        ``prop_tc_tiling`` for pass 1 on the tensor cores, None for the CUDA cores."""
+        config = cfg.tiling
         S = _inputs.check_gpu_budget(budget)
         val.check_choice("sampler", sampler, SAMPLERS)
         if not isinstance(tile_size, (int, np.integer)) or isinstance(tile_size, bool):
@@ -240,25 +242,25 @@ class _PropPlan:
                 name1 = decl1.expr(T=ctype, D=s.head_dim, **tiling.params())
                 smem1, align = tiling.smem_bytes(s.head_dim), max(tiling.align(), ts)
                 self.threads1 = tiling.threads
-            logits = _module.launcher(_FAMILY, name1, smem1, config)
-            chunks, chunk_len = _module.split_tokens(_FAMILY, name1, smem1, config,
+            logits = _module.launcher(_FAMILY, name1, smem1, cfg)
+            chunks, chunk_len = _module.split_tokens(_FAMILY, name1, smem1, cfg,
                                                      s.batch * s.kv_heads, s.tokens, align,
                                                      num_chunks, threads=self.threads1)
             if score.bernoulli:
                 self.qhat_decl = k("bernoulli_qhat")
-                self.qhat = _module.launcher(_FAMILY, self.qhat_decl.expr(T=ctype), 0, config)
+                self.qhat = _module.launcher(_FAMILY, self.qhat_decl.expr(T=ctype), 0, cfg)
             if score.kfm_meta is not None:
                 self.fm_decl = k("bernoulli_logits_fm")
                 name_fm = self.fm_decl.expr(T=ctype, GMAX=gm)
-                self.logits_fm = _module.launcher(_FAMILY, name_fm, 0, config)
+                self.logits_fm = _module.launcher(_FAMILY, name_fm, 0, cfg)
                 fm_chunks, self.fm_chunk_len = _module.split_tokens(
-                    _FAMILY, name_fm, 0, config, s.batch * s.kv_heads, s.tokens,
+                    _FAMILY, name_fm, 0, cfg, s.batch * s.kv_heads, s.tokens,
                     _FM_TOKENS_PER_PASS, None)
                 self.grid_fm = (fm_chunks, s.kv_heads, s.batch)
-            tiles = _module.launcher(_FAMILY, k("santa_prop_tiles").expr(), 0, config) \
+            tiles = _module.launcher(_FAMILY, k("santa_prop_tiles").expr(), 0, cfg) \
                 if tiling is None else None
             sample = _module.launcher(_FAMILY, k("santa_prop_sample").expr(T=ctype, D=s.head_dim),
-                                      0, config)
+                                      0, cfg)
         self.chunks, self.chunk_len = chunks, chunk_len
         self.grid1 = (chunks, s.kv_heads, s.batch)
         self.grid_tiles = (rows, math.ceil(n_pad / _TILE_LOGITS_PER_CTA))
