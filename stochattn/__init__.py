@@ -21,6 +21,7 @@ from .diagnostics import Diagnostics
 from .doublep import (ClusterTopKPlan, DoublePIndex, DoublePPlan, build_doublep_index,
                       cluster_topk_attention, doublep_attention)
 from .exact import ExactPlan, exact_attention
+from .paged import PagedKV, paged_kv
 from .santa import SantaPlan, santa_attention
 
 __version__ = "0.1.0.dev0"
@@ -31,6 +32,7 @@ __all__ = [
     "Diagnostics",
     "DoublePPlan",
     "ExactPlan",
+    "PagedKV",
     "Plan",
     "QuestPlan",
     "SantaPlan",
@@ -43,6 +45,7 @@ __all__ = [
     "cluster_topk_attention",
     "doublep_attention",
     "exact_attention",
+    "paged_kv",
     "quest_attention",
     "santa_attention",
     "top_p_attention",

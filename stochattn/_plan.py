@@ -156,6 +156,11 @@ class Plan:
         return self._call(q, k, v, seq_lens, True, call)
 
     def _call(self, q, k, v, seq_lens, diagnose, call):
+        if is_paged(k):
+            if k.device != ("cpu" if self.backend == "reference" else "cuda"):
+                raise TypeError(f"this plan runs on the {self.backend} backend, got a paged cache "
+                                f"of {'NumPy' if k.device == 'cpu' else 'GPU'} arrays")
+            return self.dispatch(q, k, v, seq_lens, diagnose, call)
         arrays = dict(q=q, k=k, v=v) if self.needs_v else dict(q=q, k=k)
         if self.needs_v and v is None:
             raise TypeError(f"`{self.function}` needs `v`, got None")
@@ -169,6 +174,12 @@ class Plan:
     def dispatch(self, q, k, v, seq_lens, diagnose: bool, call: dict):
         """The call, for arrays already known to be of this plan's backend (the functions
         use it after choosing the plan by the arrays' backend)."""
+        if is_paged(k):  # the reference reads a contiguous copy (the GPU kernels: not yet)
+            from .paged import contiguous
+
+            k, v, seq_lens = contiguous(k, v if self.needs_v else None, seq_lens)
+            if not self.needs_v:
+                v = None
         if self.shape is not None:
             self._check_planned_shape(q, k)
         return self._run(self.backend, q, k, v, seq_lens, diagnose, call)
@@ -300,6 +311,20 @@ def renamed(function: str, deprecated: dict, renames: dict, values: dict,
     return values
 
 
-def device_of(**arrays) -> str:
-    """``"cpu"`` or ``"cuda"`` for the named arrays (see :func:`~stochattn._backend.backend_of`)."""
+def is_paged(k) -> bool:
+    """Whether ``k`` is a paged cache (:class:`stochattn.paged.PagedKV`)."""
+    return type(k).__name__ == "PagedKV" and type(k).__module__ == "stochattn.paged"
+
+
+def device_of(q, k, v=None) -> str:
+    """``"cpu"`` or ``"cuda"`` for a call's arrays (see :func:`~stochattn._backend.backend_of`);
+    ``k`` may be a paged cache, whose device then decides along with ``q``'s."""
+    if is_paged(k):
+        kind = backend_of(q=q)
+        if (kind == "numpy") != (k.device == "cpu"):
+            raise TypeError(f"all arrays must live on one device, got `q` on "
+                            f"{'host (NumPy)' if kind == 'numpy' else 'GPU'} and a paged `k` on "
+                            f"{'host (NumPy)' if k.device == 'cpu' else 'GPU'}")
+        return k.device
+    arrays = dict(q=q, k=k) if v is None else dict(q=q, k=k, v=v)
     return "cpu" if backend_of(**arrays) == "numpy" else "cuda"

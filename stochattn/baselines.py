@@ -129,7 +129,7 @@ class TopPPlan(_SelectionPlan):
         return (*_ref.top_p_attention(q, k, v, lens, scale, self.p), None)
 
 
-def topk_attention(q, k, v, seq_lens=None, *, k_tokens, softmax_scale=None, check_finite=False,
+def topk_attention(q, k, v=None, seq_lens=None, *, k_tokens, softmax_scale=None, check_finite=False,
                    return_diagnostics=False):
     """Oracle top-k attention: exact attention over the ``k_tokens`` largest logits.
 
@@ -179,7 +179,7 @@ def topk_attention(q, k, v, seq_lens=None, *, k_tokens, softmax_scale=None, chec
     return plan.dispatch(q, k, v, seq_lens, val.check_bool("return_diagnostics", return_diagnostics), {})
 
 
-def quest_attention(q, k, v, seq_lens=None, *, k_tokens=None, page_size=16, softmax_scale=None,
+def quest_attention(q, k, v=None, seq_lens=None, *, k_tokens=None, page_size=16, softmax_scale=None,
                     check_finite=False, return_diagnostics=False, budget=None):
     """Quest: exact attention over the pages with the largest logit upper bound.
 
@@ -248,7 +248,7 @@ def quest_attention(q, k, v, seq_lens=None, *, k_tokens=None, page_size=16, soft
     return plan.dispatch(q, k, v, seq_lens, val.check_bool("return_diagnostics", return_diagnostics), {})
 
 
-def top_p_attention(q, k, v, seq_lens=None, *, p, softmax_scale=None, check_finite=False,
+def top_p_attention(q, k, v=None, seq_lens=None, *, p, softmax_scale=None, check_finite=False,
                     return_diagnostics=False):
     """Oracle token top-p (Twilight-like): the fewest tokens that hold a fraction p of the mass.
 

@@ -395,7 +395,7 @@ def _diagnostics(lens, d) -> Diagnostics:
                        true_mass=d["true_mass"])
 
 
-def doublep_attention(q, k, v, seq_lens=None, *, index, p1=0.95, p2=0.7, approx="centroid",
+def doublep_attention(q, k, v=None, seq_lens=None, *, index, p1=0.95, p2=0.7, approx="centroid",
                       budget=None, sampler="systematic", seed=0, offset=0, softmax_scale=None,
                       check_finite=False, return_diagnostics=False):
     """Double-P decode: cluster-level top-p, then exact tokens or approximations per cluster.
@@ -478,7 +478,7 @@ def doublep_attention(q, k, v, seq_lens=None, *, index, p1=0.95, p2=0.7, approx=
                          dict(index=index, seed=seed, offset=offset))
 
 
-def cluster_topk_attention(q, k, v, seq_lens=None, *, index, k_clusters=None, softmax_scale=None,
+def cluster_topk_attention(q, k, v=None, seq_lens=None, *, index, k_clusters=None, softmax_scale=None,
                            check_finite=False, return_diagnostics=False, clusters=None):
     """Fixed top-k clusters (RetroInfer-like baseline) on a Double-P index.
 

@@ -53,7 +53,7 @@ class ExactPlan(Plan):
         return _exact_reference(q, k, v, seq_lens, self.softmax_scale, self.check_finite, diagnose)
 
 
-def exact_attention(q, k, v, seq_lens=None, *, softmax_scale=None, check_finite=False,
+def exact_attention(q, k, v=None, seq_lens=None, *, softmax_scale=None, check_finite=False,
                     return_diagnostics=False):
     """Exact softmax attention of one decode step.
 

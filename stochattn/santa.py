@@ -117,7 +117,7 @@ softmax_scale, check_finite
         return result
 
 
-def santa_attention(q, k, v, seq_lens=None, *, budget, sampler="systematic", schedule="prop",
+def santa_attention(q, k, v=None, seq_lens=None, *, budget, sampler="systematic", schedule="prop",
                     tile_size=64, seed=0, offset=0, scores="exact", bernoulli_draws=4,
                     bernoulli_group_shared=False, softmax_scale=None, check_finite=False,
                     return_diagnostics=False):

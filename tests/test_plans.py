@@ -289,3 +289,23 @@ def test_the_reference_refuses_a_budget_that_would_exhaust_host_memory():
     with pytest.raises(ValueError, match=r"`budget` = 10000000 would need"):
         stochattn.doublep_attention(q, k, v, index=index, approx="sample", budget=10**7)
     assert stochattn.santa_attention(q, k, v, budget=4096).shape == q.shape  # 17 MiB: fine
+
+
+def test_plans_and_functions_take_a_paged_cache_on_the_reference():
+    """A PagedKV in place of k (v and seq_lens then None): the same output, bit for bit, as
+    the contiguous cache it was made from (pages shuffled, NaN in the spare pages)."""
+    from stochattn.paged import from_contiguous
+
+    q, k, v, lens = _inputs()
+    cache = from_contiguous(k, v, lens, page_size=4, layout="HND", shuffle_seed=3, extra_pages=2)
+    for plan, function, options, call in _cases(k, v, lens):
+        want = function(q, k, v, lens, **options, **call)
+        assert np.array_equal(plan.run(q, cache, **call), want), plan
+        assert np.array_equal(function(q, cache, **options, **call), want), plan
+    scores = stochattn.bernoulli_scores(q, cache, seed=1)
+    assert np.array_equal(scores, stochattn.bernoulli_scores(q, k, lens, seed=1))
+    with pytest.raises(TypeError, match=r"with a paged cache \(`k` a PagedKV\) pass no `seq_lens`"):
+        stochattn.exact_attention(q, cache, None, lens)
+    with pytest.raises(TypeError, match=r"this plan runs on the cuda backend, got a paged cache of "
+                                        r"NumPy arrays"):
+        ExactPlan(device="cuda").run(q, cache)
