@@ -180,7 +180,7 @@ class DoublePIndex:
             return _gpu_index().csr_gpu(self)
         return _km.cluster_csr(self.labels, self.sizes, self.window_start, self.n_sink)
 
-    def append(self, k, v, seq_lens) -> None:
+    def append(self, k, v=None, seq_lens=None) -> None:
         """Absorb the tokens that left the exact window, in place.
 
         Call after writing the new tokens into the cache. Tokens in
@@ -209,6 +209,7 @@ class DoublePIndex:
         TypeError
             GPU arrays for a host index, or arrays of another framework than a GPU index's.
         """
+        k, v, seq_lens = _unpaged(k, v, seq_lens)
         if self.on_gpu or backend_of(k=k, v=v) == "cuda":
             _gpu_index().append_gpu(self, k, v, seq_lens)
             return
@@ -257,6 +258,19 @@ class DoublePIndex:
                 f"{where})")
 
 
+def _unpaged(k, v, seq_lens):
+    """A paged cache (``k`` a :class:`~stochattn.paged.PagedKV`) as the reference reads it;
+    arrays as they are. The index stores token positions, never pages, so pages may move
+    between calls (SPEC section 7)."""
+    from ._plan import is_paged
+
+    if not is_paged(k):
+        return k, v, seq_lens
+    from .paged import contiguous
+
+    return contiguous(k, v, seq_lens)
+
+
 def _gpu_index():
     """The GPU half of the index (imported on first use: it imports Numba)."""
     from .cuda import doublep_index
@@ -264,7 +278,7 @@ def _gpu_index():
     return doublep_index
 
 
-def build_doublep_index(k, v, seq_lens=None, *, n_clusters, iterations=10, n_sink=4, window=64,
+def build_doublep_index(k, v=None, seq_lens=None, *, n_clusters, iterations=10, n_sink=4, window=64,
                         seed=0, tol=_km.DEFAULT_TOL, check_finite=False) -> DoublePIndex:
     """Prefill: k-means index of the middle tokens of every (sequence, KV head).
 
@@ -320,6 +334,7 @@ def build_doublep_index(k, v, seq_lens=None, *, n_clusters, iterations=10, n_sin
     >>> index.sizes.sum(axis=-1)  # middle tokens: 300 - 4 sinks - 64 window
     array([[232, 232]])
     """
+    k, v, seq_lens = _unpaged(k, v, seq_lens)
     if backend_of(k=k, v=v) == "cuda":
         return DoublePIndex(**_gpu_index().build_index_gpu(
             k, v, seq_lens, n_clusters=n_clusters, iterations=iterations, n_sink=n_sink,

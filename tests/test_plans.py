@@ -309,3 +309,18 @@ def test_plans_and_functions_take_a_paged_cache_on_the_reference():
     with pytest.raises(TypeError, match=r"this plan runs on the cuda backend, got a paged cache of "
                                         r"NumPy arrays"):
         ExactPlan(device="cuda").run(q, cache)
+
+
+def test_a_doublep_index_builds_and_grows_from_a_paged_cache():
+    from stochattn.paged import from_contiguous
+
+    q, k, v, lens = _inputs(N=80)
+    kw = dict(n_clusters=6, n_sink=2, window=8)
+    paged = stochattn.build_doublep_index(from_contiguous(k, v, lens - 20, page_size=8,
+                                                          shuffle_seed=1), **kw)
+    flat = stochattn.build_doublep_index(k, v, lens - 20, **kw)
+    paged.append(from_contiguous(k, v, lens, page_size=8, shuffle_seed=2))
+    flat.append(k, v, lens)
+    for name in ("centroids", "sizes", "value_sums", "seq_lens", "n_initialized"):
+        assert np.array_equal(getattr(paged, name), getattr(flat, name)), name
+    assert np.array_equal(paged.labels[..., :80], flat.labels[..., :80])
