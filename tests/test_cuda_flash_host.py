@@ -73,7 +73,7 @@ def test_flash_tc_shared_memory_fits_and_keeps_rings_aligned():
     128 bytes, so every warp's ring starts where the first one does modulo 128 (16-byte
     cp.async, bank-conflict-free ldmatrix rows); the CTA's total fits sm_90's 227 KB and
     holds the cross-warp merge buffers."""
-    from stochattn.cuda import _sources
+    from stochattn.cuda import kernels as _sources
     from stochattn.cuda.flash import TILE_SIZES
 
     for t in _sources.FLASH_TC_TILINGS:
@@ -92,7 +92,7 @@ def test_flash_tc_shared_memory_fits_and_keeps_rings_aligned():
 def test_flash_tc_tiling_is_settable_only_to_compiled_ones():
     import pytest
 
-    from stochattn.cuda import _sources
+    from stochattn.cuda import kernels as _sources
 
     prev = _sources.set_flash_tc_tiling(_sources.FLASH_TC_TILINGS[-1])
     try:

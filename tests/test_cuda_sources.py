@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stochattn.cuda import _sources
+from stochattn.cuda import kernels as _sources
 from stochattn.reference.rng import random_words, uniforms
 from stochattn.reference.samplers import invert_cdf, sample_points
 

@@ -346,7 +346,7 @@ def test_valid_edge_inputs_are_accepted():
 def test_gpu_budget_limits_are_pinned():
     """The GPU kernels count draws in int32: budgets above 2**30 (S²ANTA-flash: 2**27, its
     G * S_t draws of a tile share one counter) get a clear error before any launch."""
-    from stochattn.cuda import _inputs
+    from stochattn.cuda.runtime import inputs as _inputs
     from stochattn.cuda.flash import FLASH_MAX_BUDGET
 
     assert _inputs.check_gpu_budget(2**30) == 2**30

@@ -32,8 +32,8 @@ pytest.importorskip("numba.cuda")
 
 from numba import cuda  # noqa: E402
 
-from stochattn.cuda import _kmeans_kernels as kk  # noqa: E402
-from stochattn.cuda import kmeans as km  # noqa: E402
+from stochattn.cuda.kmeans import kernels as kk  # noqa: E402
+from stochattn.cuda.kmeans import host as km  # noqa: E402
 from stochattn import spec  # noqa: E402
 from stochattn.cuda.kmeans import kmeans_gpu  # noqa: E402
 from stochattn.reference.kmeans import DEFAULT_TOL, build_index, window_starts  # noqa: E402
@@ -570,7 +570,7 @@ def test_errors():
 @pytest.fixture
 def plans(monkeypatch):
     """An empty plan cache, and a list of the plans built while the test runs."""
-    from stochattn.cuda import _kmeans_cache
+    from stochattn.cuda.kmeans import cache as _kmeans_cache
 
     built = []
 
@@ -588,7 +588,7 @@ def plans(monkeypatch):
 
 def _uncached(monkeypatch, *args, **kw):
     """kmeans_gpu with the cache off (and the plan class not counted by ``plans``)."""
-    from stochattn.cuda._kmeans_build import _BuildPlan
+    from stochattn.cuda.kmeans.build import BuildPlan as _BuildPlan
 
     with monkeypatch.context() as m:
         m.setattr(km, "BUILD_CACHE_SIZE", 0)
@@ -642,7 +642,7 @@ def test_cached_scratch_is_zeroed_again(plans, monkeypatch):
     after a first build, and every buffer a build allocates starts as garbage: the second
     build still gives the uncached index (each buffer is written or zeroed before it is
     read)."""
-    from stochattn.cuda import _kmeans_build as kb
+    from stochattn.cuda.kmeans import build as kb
 
     built, _ = plans
     kw = dict(n_clusters=5, iterations=3, n_sink=1, window=2, seed=11, tol=0.0, method="gemm")

@@ -15,7 +15,7 @@ import stochattn.cuda.kmeans  # noqa: E402,F401  (patches NumPy for numba-cuda f
 from numba import config as numba_config  # noqa: E402
 from numba import cuda  # noqa: E402
 
-from stochattn.cuda._numba_launch import Bound  # noqa: E402
+from stochattn.cuda.kmeans.launch import Bound  # noqa: E402
 
 
 @cuda.jit

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stochattn.cuda._module import Packed
+from stochattn.cuda.runtime.launch import Packed
 
 
 class _FakeLauncher:
@@ -73,7 +73,7 @@ def test_float_variable_arguments_are_written_as_their_type():
 def test_driver_path_writes_the_slots_and_launches_once(monkeypatch):
     """The cuLaunchKernel path with a stand-in driver entry: the variable slots hold the new
     values (floats as their bits), the rest keep theirs."""
-    from stochattn.cuda import _module
+    from stochattn.cuda.runtime import launch as _module
 
     seen = []
 
@@ -100,7 +100,7 @@ def test_pdl_structures_have_the_layout_of_cuda_h():
     a mismatch would hand the driver garbage."""
     import ctypes
 
-    from stochattn.cuda import _pdl
+    from stochattn.cuda.runtime import pdl as _pdl
 
     A, C = _pdl.LaunchAttribute, _pdl.LaunchConfig
     assert (ctypes.sizeof(A), A.value.offset, ctypes.alignment(A)) == (72, 8, 8)
@@ -171,7 +171,7 @@ def test_pdl_launch_sets_the_attribute_and_the_stream(monkeypatch):
     serialization = 1; the ordinary cuLaunchKernel is not called."""
     import ctypes
 
-    from stochattn.cuda import _module, _pdl
+    from stochattn.cuda.runtime import launch as _module, pdl as _pdl
 
     plain, ex = [], []
 
@@ -207,7 +207,7 @@ def test_pdl_launch_sets_the_attribute_and_the_stream(monkeypatch):
 def test_pdl_without_the_driver_entry_point_launches_normally(monkeypatch):
     """An old driver (no cuLaunchKernelEx): the launch is an ordinary one, which is correct
     since the kernels' entry wait is then a no-op."""
-    from stochattn.cuda import _module, _pdl
+    from stochattn.cuda.runtime import launch as _module, pdl as _pdl
 
     plain = []
     monkeypatch.setattr(_module, "_launch", [lambda *a: plain.append(a), True])
@@ -225,7 +225,7 @@ def test_pdl_without_the_driver_entry_point_launches_normally(monkeypatch):
 def test_pdl_only_for_sm90_machine_code(monkeypatch):
     """Machine code built below sm_90 has its entry wait compiled out: its launches must
     stay ordinary ones (a dependent launch would race with the kernel before it)."""
-    from stochattn.cuda import _module, _pdl
+    from stochattn.cuda.runtime import launch as _module, pdl as _pdl
 
     monkeypatch.setattr(_module, "_launch", [lambda *a: None, True])
     monkeypatch.setattr(_pdl, "_entry", [lambda *a: 0, True])
@@ -237,7 +237,7 @@ def test_pdl_only_for_sm90_machine_code(monkeypatch):
 
 
 def test_pdl_launch_error_names_the_driver_error(monkeypatch):
-    from stochattn.cuda import _module, _pdl
+    from stochattn.cuda.runtime import launch as _module, pdl as _pdl
 
     monkeypatch.setattr(_module, "_launch", [lambda *a: None, True])
     monkeypatch.setattr(_pdl, "_entry", [lambda *a: 1, True])  # CUDA_ERROR_INVALID_VALUE

@@ -9,6 +9,12 @@ Functions: :func:`exact_decode`, :func:`santa_prop`, :func:`santa_flash`,
 :func:`build_index_gpu`, :func:`clear_plan_cache`. Modules: :mod:`.config` (the tuning knobs,
 one ``GpuConfig`` per device), :mod:`.doublep` (Double-P decode), :mod:`.doublep_index`
 (the GPU index: build and append).
+
+Rooms: :mod:`.runtime` (the launch runtime), :mod:`.kernels` (the CUDA sources, their
+instantiations and declarations), :mod:`.kmeans` (the Numba-CUDA k-means), one host module
+per estimator family (:mod:`.exact`, :mod:`.santa` for S²ANTA-prop, :mod:`.flash`,
+:mod:`.bernoulli`, :mod:`.doublep`, :mod:`.doublep_index`), :mod:`.config` and
+:mod:`.build_check` (compiling the sources without a GPU).
 """
 
 import importlib
@@ -20,7 +26,7 @@ _LAZY = {"exact_decode": (".exact", "exact_decode"), "santa_prop": (".santa", "s
          "bernoulli_scores_gpu": (".bernoulli", "bernoulli_scores_gpu"),
          "kmeans_gpu": (".kmeans", "kmeans_gpu"),
          "build_index_gpu": (".doublep_index", "build_index_gpu"),
-         "clear_plan_cache": ("._inputs", "clear_plan_cache"),
+         "clear_plan_cache": (".runtime.inputs", "clear_plan_cache"),
          "config": (".config", None), "doublep": (".doublep", None),
          "doublep_index": (".doublep_index", None)}
 
@@ -32,6 +38,9 @@ def __getattr__(name):  # lazy: importing the package imports no CuPy and compil
         module, attr = _LAZY[name]
         mod = importlib.import_module(module, __name__)
         return mod if attr is None else getattr(mod, attr)
+    _compat = importlib.import_module("._compat", __name__)
+    if name in _compat.MODULES:  # deprecated private module names (tools not yet moved)
+        return _compat.module(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

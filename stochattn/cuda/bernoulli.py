@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 
 from .. import _validation as val
-from . import _abi, _inputs, _module, _sources
-from ._sources import group_max
+from . import kernels
+from .kernels import abi
+from .runtime import inputs, launch
+from .kernels import group_max
 from .config import get_config
 from .santa import _FAMILY, _FM_THREADS, _FM_TOKENS_PER_PASS, _QHAT_THREADS, _check_feature_major, \
     _feature_major_input, check_draws
@@ -43,54 +45,54 @@ def bernoulli_scores_gpu(q, k, seq_lens=None, *, draws=4, group_shared=False, se
     seed, offset = val.check_seed_offset(seed, offset)
     draws = check_draws("draws", draws)
     group_shared = val.check_bool("group_shared", group_shared)
-    inp = _inputs.gather(q, k, k)
+    inp = inputs.gather(q, k, k)
     ops = inp.ops
-    s, _, device, dtype_name = _inputs.base_plan(inp, None)
+    s, _, device, dtype_name = inputs.base_plan(inp, None)
     if k_feature_major is not None:
         k_feature_major = _feature_major_input(inp, k_feature_major)
         _check_feature_major(ops.meta(k_feature_major), inp, s, device)
     cfg = get_config(device)
     config = cfg.tiling
-    ctype = _sources.CTYPES[dtype_name]
+    ctype = kernels.CTYPES[dtype_name]
     gm = group_max(s.group)
     n_pad = math.ceil(s.tokens / 8) * 8
-    with _inputs.device_scope(device):
-        qp, kp, _, lens, _keep, stream = _inputs.launch_args(inp, seq_lens, check_seq_lens, s,
+    with inputs.device_scope(device):
+        qp, kp, _, lens, _keep, stream = inputs.launch_args(inp, seq_lens, check_seq_lens, s,
                                                              device)
         qhat = ops.empty(inp.q, (s.batch * s.q_heads * s.head_dim,), "float32")
         feat = ops.empty(inp.q, (s.batch * s.kv_heads * s.head_dim,), "int32")
         nfeat = ops.empty(inp.q, (s.batch * s.kv_heads,), "int32")
         frac = ops.empty(inp.q, (s.batch, s.q_heads), "float32")
         x = ops.empty(inp.q, (s.batch, s.q_heads, n_pad), "float32")
-        x.fill_(-math.inf) if ops is _inputs.TORCH else x.fill(-math.inf)
+        x.fill_(-math.inf) if ops is inputs.TORCH else x.fill(-math.inf)
         ptr = {"qhat": ops.ptr(qhat), "feat": ops.ptr(feat), "nfeat": ops.ptr(nfeat),
                "logits": ops.ptr(x)}
-        qhat_k = _abi.kernel(_FAMILY, "bernoulli_qhat")
-        _module.launcher(_FAMILY, qhat_k.expr(T=ctype), 0, cfg)(
+        qhat_k = abi.kernel(_FAMILY, "bernoulli_qhat")
+        launch.launcher(_FAMILY, qhat_k.expr(T=ctype), 0, cfg)(
             (s.kv_heads, s.batch), (_QHAT_THREADS,),
             qhat_k.args_of(q=qp, qhat=ptr["qhat"], feat=ptr["feat"], nfeat=ptr["nfeat"],
                            frac=ops.ptr(frac), Hkv=s.kv_heads, G=s.group, D=s.head_dim,
                            draws=draws, group_shared=group_shared, scale=1.0, seed=seed,
                            offset=offset), stream)
         if k_feature_major is None:
-            logits_k = _abi.kernel(_FAMILY, "santa_prop_logits")
+            logits_k = abi.kernel(_FAMILY, "santa_prop_logits")
             name = logits_k.expr(T=ctype, D=s.head_dim, GMAX=gm, QHAT=True)
             smem = config.smem_bytes(_FAMILY, s.head_dim, gm)
-            chunks, chunk_len = _module.split_tokens(_FAMILY, name, smem, cfg,
+            chunks, chunk_len = launch.split_tokens(_FAMILY, name, smem, cfg,
                                                      s.batch * s.kv_heads, s.tokens,
                                                      config.tile_rows(s.head_dim))
-            _module.launcher(_FAMILY, name, smem, cfg)(
+            launch.launcher(_FAMILY, name, smem, cfg)(
                 (chunks, s.kv_heads, s.batch), (config.threads,),
                 logits_k.args_of(qv=ptr["qhat"], k=kp, seq_lens=lens, logits=ptr["logits"],
                                  Hkv=s.kv_heads, G=s.group, N=s.tokens, chunk_len=chunk_len,
                                  n_pad=n_pad, scale=1.0), stream)
         else:
-            fm_k = _abi.kernel(_FAMILY, "bernoulli_logits_fm")
+            fm_k = abi.kernel(_FAMILY, "bernoulli_logits_fm")
             name = fm_k.expr(T=ctype, GMAX=gm)
-            chunks, chunk_len = _module.split_tokens(_FAMILY, name, 0, cfg,
+            chunks, chunk_len = launch.split_tokens(_FAMILY, name, 0, cfg,
                                                      s.batch * s.kv_heads, s.tokens,
                                                      _FM_TOKENS_PER_PASS)
-            _module.launcher(_FAMILY, name, 0, cfg)(
+            launch.launcher(_FAMILY, name, 0, cfg)(
                 (chunks, s.kv_heads, s.batch), (_FM_THREADS,),
                 fm_k.args_of(qhat=ptr["qhat"], kfm=ops.ptr(k_feature_major), feat=ptr["feat"],
                              nfeat=ptr["nfeat"], seq_lens=lens, logits=ptr["logits"],
@@ -98,5 +100,5 @@ def bernoulli_scores_gpu(q, k, seq_lens=None, *, draws=4, group_shared=False, se
                              ld=ops.meta(k_feature_major)[1][-1], chunk_len=chunk_len,
                              n_pad=n_pad), stream)
     x = x[..., :s.tokens]
-    out = x.to(inp.q.dtype) if ops is _inputs.TORCH else x.astype(inp.q.dtype)
+    out = x.to(inp.q.dtype) if ops is inputs.TORCH else x.astype(inp.q.dtype)
     return out, frac

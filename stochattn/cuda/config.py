@@ -34,7 +34,7 @@ import os
 import threading
 from dataclasses import dataclass, field, replace
 
-from ._sources import HEAD_DIMS
+from .kernels import HEAD_DIMS
 
 __all__ = ["GpuConfig", "get_config", "set_config", "using_config", "reset_config", "TileConfig",
            "TcTiling", "DEFAULT_TILE_CONFIG", "TC_TILINGS", "PROP_TC_TILINGS", "FLASH_TC_TILINGS",
@@ -137,9 +137,9 @@ class TileConfig:
 
 def _flash_warp_stages() -> int:
     """Depth of a warp's K pipeline of S²ANTA-flash (flash_tile.cuh: kFlashStages)."""
-    from . import _abi
+    from .kernels import abi
 
-    return _abi.constant("santa_flash", "kFlashStages")
+    return abi.constant("santa_flash", "kFlashStages")
 
 
 # The CUDA-core pipeline by default. To change it, edit this line (tests and benchmarks
@@ -293,6 +293,12 @@ class GpuConfig:
                 raise ValueError(f"`dtypes` must be None or element types from {_DTYPES}, got "
                                  f"{self.dtypes!r}")
             object.__setattr__(self, "dtypes", dtypes)
+        # Hashed once: a call hashes its config as part of the plan key.
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name)
+                                                     for f in dataclasses.fields(self))))
+
+    def __hash__(self):
+        return self._hash
 
     @property
     def pdl(self) -> bool:

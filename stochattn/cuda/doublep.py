@@ -32,9 +32,11 @@ import numpy as np
 
 from .. import _validation as val
 from ..spec import PURPOSE_CLUSTER_SAMPLER, SAMPLERS
-from . import _abi, _inputs, _module, _sources
-from ._arrays import ops_for
-from ._sources import group_max
+from . import kernels
+from .kernels import abi
+from .runtime import inputs, launch
+from .runtime.arrays import ops_for
+from .kernels import group_max
 from .config import get_config
 from .santa import _SAMPLE_THREADS, _TILE_LOGITS_PER_CTA, _TILE_THREADS, _TILES_VARIABLE, \
     SAMPLE_VARIABLE, _layout, _align, sampler_code
@@ -47,13 +49,13 @@ SORT_SELECT_MAX_CLUSTERS = 8192
 _FAMILY = "doublep_decode"
 # Block sizes and capacities the kernels were compiled for (doublep_decode.cu), read from
 # the source.
-_LOGIT_THREADS = _abi.constant(_FAMILY, "kLogitThreads")
-_SELECT_THREADS = _abi.constant(_FAMILY, "kSelectThreads")
-_SORT_THREADS = _abi.constant(_FAMILY, "kSortThreads")
-_SORT_MAX_CLUSTERS = _abi.constant(_FAMILY, "kSortMaxClusters")
-_ROW_THREADS = _abi.constant(_FAMILY, "kRowThreads")
-_SLICE_TOKENS = _abi.constant(_FAMILY, "kSliceTokens")
-_LIST_CAP = _abi.constant(_FAMILY, "kListCap")
+_LOGIT_THREADS = abi.constant(_FAMILY, "kLogitThreads")
+_SELECT_THREADS = abi.constant(_FAMILY, "kSelectThreads")
+_SORT_THREADS = abi.constant(_FAMILY, "kSortThreads")
+_SORT_MAX_CLUSTERS = abi.constant(_FAMILY, "kSortMaxClusters")
+_ROW_THREADS = abi.constant(_FAMILY, "kRowThreads")
+_SLICE_TOKENS = abi.constant(_FAMILY, "kSliceTokens")
+_LIST_CAP = abi.constant(_FAMILY, "kListCap")
 # The per-call arguments of the packed launches, in the order the calls pass them.
 _LOGITS_VARIABLE = ("q", "centroids", "sizes", "xb")
 _SELECT_VARIABLE = ("xb", "sizes", "lens", "window_start", "codes", "stats", "rows_read",
@@ -117,15 +119,15 @@ def doublep_decode(q, k, v, index, *, p1=1.0, p2=1.0, clusters=None, budget=None
         raise ValueError("`return_indices` needs `budget` (only the sampled variant draws rows)")
     sample = None
     if budget is not None:
-        sample = _Sample(_inputs.check_gpu_budget(budget),
+        sample = _Sample(inputs.check_gpu_budget(budget),
                          val.check_choice("sampler", sampler, SAMPLERS), _SAMPLE_TILE)
         seed, offset = val.check_seed_offset(seed, offset)
-    inp = _inputs.gather(q, k, v)
+    inp = inputs.gather(q, k, v)
     ix = _IndexArrays.of(index)
     cfg = get_config(inp.device)
     key = ("doublep", inp.key, ix.key, centroid, sample, type(softmax_scale), softmax_scale,
            type(num_chunks), num_chunks, cfg, SORT_SELECT_MAX_CLUSTERS)
-    plan = _inputs.cached_plan(
+    plan = inputs.cached_plan(
         key, lambda: _DoublePPlan(inp, ix, centroid, softmax_scale, num_chunks, cfg, sample))
     return plan.run(inp, ix, int(index.n_sink), float(p1), float(p2),
                     0 if clusters is None else int(clusters), bool(return_diagnostics),
@@ -216,41 +218,41 @@ class _DoublePPlan:
 
     def __init__(self, inp, ix, centroid, softmax_scale, num_chunks, cfg, sample):
         config = cfg.tiling  # the device's GpuConfig's tiling
-        s, scale, self.device, dtype_name = _inputs.base_plan(inp, softmax_scale)
-        num_chunks = _inputs.check_num_chunks(num_chunks)
+        s, scale, self.device, dtype_name = inputs.base_plan(inp, softmax_scale)
+        num_chunks = inputs.check_num_chunks(num_chunks)
         C, NL = ix.check(s, self.device)
         self.shape, self.C = s, C
-        ctype = _sources.CTYPES[dtype_name]
+        ctype = kernels.CTYPES[dtype_name]
         gm = group_max(s.group)
         D = s.head_dim
         stage = config.smem_bytes("doublep_decode", D, gm)
         self.threads = config.threads
         fam = _FAMILY
-        k = functools.partial(_abi.kernel, fam)
+        k = functools.partial(abi.kernel, fam)
         cap = min(s.tokens, NL)
         pairs = s.batch * s.kv_heads
-        with _inputs.device_scope(self.device):
-            logits = _module.launcher(fam, k("doublep_cluster_logits").expr(T=ctype, D=D, GMAX=gm),
+        with inputs.device_scope(self.device):
+            logits = launch.launcher(fam, k("doublep_cluster_logits").expr(T=ctype, D=D, GMAX=gm),
                                       0, cfg)
             self.sorted = C <= min(SORT_SELECT_MAX_CLUSTERS, _SORT_MAX_CLUSTERS)
             if self.sorted:
                 self.sort_p = max(2 * _SORT_THREADS, 1 << (C - 1).bit_length())
-                select = _module.launcher(fam, k("doublep_select_sorted").expr(), 8 * self.sort_p,
+                select = launch.launcher(fam, k("doublep_select_sorted").expr(), 8 * self.sort_p,
                                           cfg)
                 self.select_threads = _SORT_THREADS
             else:
-                select = _module.launcher(fam, k("doublep_select").expr(), 0, cfg)
+                select = launch.launcher(fam, k("doublep_select").expr(), 0, cfg)
                 self.select_threads = _SELECT_THREADS
             flag = sample is not None
-            rows_k = _module.launcher(fam, k("doublep_rows").expr(GMAX=gm, SAMPLE=flag), 0, cfg)
+            rows_k = launch.launcher(fam, k("doublep_rows").expr(GMAX=gm, SAMPLE=flag), 0, cfg)
             name = k("doublep_attend").expr(T=ctype, D=D, GMAX=gm, SAMPLE=flag)
             smem = stage + _align(_LIST_CAP * (5 if sample is None else 6), 16)
-            attend = _module.launcher(fam, name, smem, cfg)
+            attend = launch.launcher(fam, name, smem, cfg)
             cl_chunks = math.ceil(C / _CLUSTERS_PER_ATTEND_CTA) if centroid and not sample else 0
             if sample is not None:
-                prop = functools.partial(_abi.kernel, "santa_prop")
-                tiles = _module.launcher("santa_prop", prop("santa_prop_tiles").expr(), 0, cfg)
-                sample_k = _module.launcher("santa_prop",
+                prop = functools.partial(abi.kernel, "santa_prop")
+                tiles = launch.launcher("santa_prop", prop("santa_prop_tiles").expr(), 0, cfg)
+                sample_k = launch.launcher("santa_prop",
                                             prop("santa_prop_sample").expr(T=ctype, D=D), 0, cfg)
             if num_chunks is None:
                 # Two waves' worth of token CTAs (a token CTA takes an equal share of its
@@ -259,7 +261,7 @@ class _DoublePPlan:
                 # 128 tokens of the cache per token CTA. H200, calibrated K/V, (0.95, 0.7)
                 # (bench/tune_doublep.py): B=8 / 128k 255 us at 16 per pair against 393 at
                 # 4 and 285 at 64; B=32 / 32k best at 4 to 8.
-                slots = _module.num_sms() * _module.ctas_per_sm(fam, name, config.threads, smem,
+                slots = launch.num_sms() * launch.ctas_per_sm(fam, name, config.threads, smem,
                                                                 cfg)
                 tok_chunks = max(1, min(math.ceil(cap / 128), round(2 * slots / pairs)))
             else:
@@ -267,9 +269,9 @@ class _DoublePPlan:
             self.list_off = stage
             # Partials: the token CTAs', the cluster CTAs' (centroid) or the draws' (sample).
             total = tok_chunks + cl_chunks + (sample is not None)
-            merge = (_module.launcher(fam, k("exact_decode_merge").expr(T=ctype), 0, cfg)
+            merge = (launch.launcher(fam, k("exact_decode_merge").expr(T=ctype), 0, cfg)
                      if total > 1 else None)
-            self.true_mass = _module.launcher(fam, k("doublep_true_mass").expr(T=ctype, D=D, GMAX=gm),
+            self.true_mass = launch.launcher(fam, k("doublep_true_mass").expr(T=ctype, D=D, GMAX=gm),
                                               0, cfg)
         self.tok_chunks, self.total = tok_chunks, total
         self.slices = max(1, math.ceil(cap / _SLICE_TOKENS))
@@ -309,9 +311,9 @@ class _DoublePPlan:
         self.offsets, self.scratch_bytes = _layout(sizes)
         self.NL = NL
         n_pad = self.n_pad if sample is not None else 0
-        # Packed launches (_module.Packed): the pointers and the per-call options (n_sink,
+        # Packed launches (launch.Packed): the pointers and the per-call options (n_sink,
         # p1, p2, the count, the seed and offset) are the variable arguments.
-        P = _module.Packed
+        P = launch.Packed
         dep = config.pdl  # every launch after the first: programmatic dependent launch
         self.logits = P(logits, self.grid_logits, (_LOGIT_THREADS,),
                         k("doublep_cluster_logits").bind(
@@ -357,8 +359,8 @@ class _DoublePPlan:
         ops = inp.ops
         s = self.shape
         sample = self.sample_cfg
-        with _inputs.device_scope(self.device):
-            qp, kp, vp, _null, _keep, stream = _inputs.launch_args(inp, None, False, s, self.device)
+        with inputs.device_scope(self.device):
+            qp, kp, vp, _null, _keep, stream = inputs.launch_args(inp, None, False, s, self.device)
             (cent, sizes, vsums, labels, lens, ws), held = ix.pointers()
             out = ops.empty(inp.q, self.out_shape)
             outp = ops.ptr(out)
@@ -416,7 +418,7 @@ class _DoublePPlan:
         qp, kp = np.uint64(ops.ptr(inp.q)), np.uint64(ops.ptr(inp.k))
         lens, ws, labels = lens_ws_labels
         self.true_mass((tm_chunks, s.kv_heads, s.batch), (_LOGIT_THREADS,),
-                       _abi.kernel(_FAMILY, "doublep_true_mass").args_of(
+                       abi.kernel(_FAMILY, "doublep_true_mass").args_of(
                            q=ops.ptr(inp.q), k=ops.ptr(inp.k), lens=lens, window_start=ws,
                            labels=labels, codes=codes, part=ops.ptr(part), Hkv=s.kv_heads,
                            G=s.group, N=s.tokens, NL=self.NL, C=self.C, n_sink=n_sink,

@@ -75,8 +75,8 @@ import numpy as np
 
 from .. import _validation as val
 from .._backend import require_cupy
-from ._arrays import CUPY, TORCH, host_values, launch_stream, ops_for, to_cupy
-from ._inputs import device_scope
+from .runtime.arrays import CUPY, TORCH, host_values, launch_stream, ops_for, to_cupy
+from .runtime.inputs import device_scope
 
 __all__ = ["build_index_gpu", "append_gpu", "csr_gpu", "value_means_gpu", "stack_gpu",
            "device_label"]
@@ -325,8 +325,8 @@ def _device_lens(api, seq_lens, like, batch: int, tokens: int, check: bool):
     return api.clip(api.astype(seq_lens, "int64"), 0, tokens)
 
 
-# numba.cuda, imported on first use (after stochattn.cuda.kmeans has applied its NumPy
-# compatibility fix). A module global, not a local, because Numba's simulator swaps the
+# numba.cuda, imported on first use (after the stochattn.cuda.kmeans package has applied
+# its NumPy compatibility fix). A module global, not a local, because Numba's simulator swaps the
 # ``cuda`` global of a kernel for its fake module.
 cuda = None
 
@@ -334,7 +334,7 @@ cuda = None
 def _kmeans_module():
     global cuda
     try:
-        from . import kmeans
+        from .kmeans import host as kmeans
     except ImportError as e:  # numba-cuda missing
         raise ImportError("the GPU Double-P index needs numba-cuda: install stochattn[cuda13] "
                           "(or stochattn[cuda12])") from e
@@ -397,9 +397,9 @@ _APPEND_LAUNCHERS: dict = {}  # (device, dtype name) -> (score, append launchers
 
 def _fast_tokens() -> int:
     """Joins per append that the split kernel scores (doublep_append.cu: kFastTokens)."""
-    from . import _abi
+    from .kernels import abi
 
-    return _abi.constant("doublep_append", "kFastTokens")
+    return abi.constant("doublep_append", "kFastTokens")
 
 
 def _append_launchers(device: int, dtype_name: str):
@@ -407,15 +407,16 @@ def _append_launchers(device: int, dtype_name: str):
     its SM count."""
     kernels = _APPEND_LAUNCHERS.get((device, dtype_name))
     if kernels is None:
-        from . import _abi, _module, _sources
+        from .kernels import APPEND_CTYPES, abi
+        from .runtime import launch
 
-        ctype = _sources.APPEND_CTYPES[dtype_name]
-        score, append = (_abi.kernel("doublep_append", n)
+        ctype = APPEND_CTYPES[dtype_name]
+        score, append = (abi.kernel("doublep_append", n)
                          for n in ("doublep_append_score", "doublep_append"))
         kernels = _APPEND_LAUNCHERS[(device, dtype_name)] = (
-            (score, _module.launcher("doublep_append", score.expr(T=ctype))),
-            (append, _module.launcher("doublep_append", append.expr(T=ctype))),
-            _module.num_sms())
+            (score, launch.launcher("doublep_append", score.expr(T=ctype))),
+            (append, launch.launcher("doublep_append", append.expr(T=ctype))),
+            launch.num_sms())
     return kernels
 
 

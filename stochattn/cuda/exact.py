@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import math
 
-from . import _abi, _inputs, _module, _sources
+from . import kernels
+from .kernels import abi
+from .runtime import inputs, launch
 from .config import get_config
 
 __all__ = ["exact_decode", "KERNELS", "DEFAULT_KERNEL"]
@@ -65,7 +67,7 @@ def exact_decode(q, k, v, seq_lens=None, *, softmax_scale=None, num_chunks=None,
     -----
     Everything that depends only on the configuration (framework, dtypes, shapes, device,
     ``softmax_scale``, ``num_chunks``) is validated and resolved once and cached (see
-    :mod:`stochattn.cuda._inputs`); a repeated call does attribute reads, one or two
+    :mod:`stochattn.cuda.runtime.inputs`); a repeated call does attribute reads, one or two
     allocations and the launches.
 
     Examples
@@ -81,11 +83,11 @@ def exact_decode(q, k, v, seq_lens=None, *, softmax_scale=None, num_chunks=None,
     elif kernel not in KERNELS:
         raise ValueError(f"`kernel` must be one of {', '.join(map(repr, KERNELS))} or None, "
                          f"got {kernel!r}")
-    inp = _inputs.gather(q, k, v)
+    inp = inputs.gather(q, k, v)
     cfg = get_config(inp.device)
     key = ("exact_decode", inp.key, type(softmax_scale), softmax_scale, type(num_chunks), num_chunks,
            cfg, kernel)
-    plan = _inputs.cached_plan(key, lambda: _ExactPlan(inp, softmax_scale, num_chunks, cfg,
+    plan = inputs.cached_plan(key, lambda: _ExactPlan(inp, softmax_scale, num_chunks, cfg,
                                                        kernel == "tc"))
     return plan.run(inp, seq_lens, check_seq_lens)
 
@@ -98,29 +100,29 @@ class _ExactPlan:
         tensor-core kernel (``cfg.tc_tiling``), else the CUDA-core one."""
         config, in_kernel = cfg.tiling, cfg.merge_in_kernel
         tiling = cfg.tc_tiling if tensor_cores else None
-        s, scale, self.device, dtype_name = _inputs.base_plan(inp, softmax_scale)
-        num_chunks = _inputs.check_num_chunks(num_chunks)
+        s, scale, self.device, dtype_name = inputs.base_plan(inp, softmax_scale)
+        num_chunks = inputs.check_num_chunks(num_chunks)
         self.shape = s
-        ctype = _sources.CTYPES[dtype_name]
-        gm = _sources.group_max(s.group)
+        ctype = kernels.CTYPES[dtype_name]
+        gm = kernels.group_max(s.group)
         if tiling is None:
             family = "exact_decode"
-            decl = _abi.kernel(family, "exact_decode_chunk")
+            decl = abi.kernel(family, "exact_decode_chunk")
             name = decl.expr(T=ctype, D=s.head_dim, GMAX=gm)
             align, self.threads = config.tile_rows(s.head_dim), config.threads
             smem = config.smem_bytes("exact_decode", s.head_dim, gm)
         else:
             family = "exact_decode_tc"
-            decl = _abi.kernel(family, "exact_decode_tc_chunk")
+            decl = abi.kernel(family, "exact_decode_tc_chunk")
             name = decl.expr(T=ctype, D=s.head_dim, **tiling.params())
             align, self.threads = tiling.align(), tiling.threads
             smem = tiling.smem_bytes(s.head_dim)
-        with _inputs.device_scope(self.device):
-            chunk, chunks, chunk_len, self.split = _module.split_kv(
+        with inputs.device_scope(self.device):
+            chunk, chunks, chunk_len, self.split = launch.split_kv(
                 family, name, smem, cfg, s, ctype, align, num_chunks, self.threads, in_kernel)
         self.chunks, self.chunk_len = chunks, chunk_len
         self.out_shape = (s.batch, s.q_heads, s.head_dim)
-        self.chunk = _module.Packed(
+        self.chunk = launch.Packed(
             chunk, (chunks, s.kv_heads, s.batch), (self.threads,),
             decl.bind(_CHUNK_VARIABLE, Hkv=s.kv_heads, G=s.group, N=s.tokens, chunk_len=chunk_len,
                       num_chunks=chunks, scale_log2=scale * math.log2(math.e)))
@@ -128,8 +130,8 @@ class _ExactPlan:
     def run(self, inp, seq_lens, check_seq_lens):
         ops = inp.ops
         s = self.shape
-        with _inputs.device_scope(self.device):
-            qp, kp, vp, lens, _keep, stream = _inputs.launch_args(inp, seq_lens, check_seq_lens, s,
+        with inputs.device_scope(self.device):
+            qp, kp, vp, lens, _keep, stream = inputs.launch_args(inp, seq_lens, check_seq_lens, s,
                                                                   self.device)
             out = ops.empty(inp.q, self.out_shape)
             outp = ops.ptr(out)

@@ -10,8 +10,10 @@ import numpy as np
 
 from .. import _validation as val
 from ..spec import SAMPLERS
-from . import _abi, _inputs, _module, _sources
-from ._sources import group_max
+from . import kernels
+from .kernels import abi
+from .runtime import inputs, launch
+from .kernels import group_max
 from .config import flash_tc_smem_bytes, get_config, smem_limit
 from .santa import sampler_code
 
@@ -31,7 +33,7 @@ _CHUNK_VARIABLE = ("q", "k", "v", "seq_lens", "out", "part_o", "part_ml", "count
 # At most G * S_t <= 8 * 2**27 draws per tile share one int32 counter (santa_flash.cu).
 FLASH_MAX_BUDGET = 2**27
 # Powers of two from 32 up to flash_tile.cuh's kFlashMaxTile.
-TILE_SIZES = tuple(32 << i for i in range((_abi.constant(_FAMILY, "kFlashMaxTile") // 32)
+TILE_SIZES = tuple(32 << i for i in range((abi.constant(_FAMILY, "kFlashMaxTile") // 32)
                                           .bit_length()))
 
 
@@ -139,12 +141,12 @@ def santa_flash(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_si
     want_idx = val.check_bool("return_indices", return_indices)
     want_stats = val.check_bool("return_tile_stats", return_tile_stats)
     kernel = _check_kernel(DEFAULT_KERNEL if kernel is None else kernel)
-    inp = _inputs.gather(q, k, v)
+    inp = inputs.gather(q, k, v)
     cfg = get_config(inp.device)
     tiling = cfg.flash_tc_tiling if kernel == "tc" else None
     key = (_FAMILY, inp.key, type(budget), budget, sampler, type(tile_size), tile_size,
            type(softmax_scale), softmax_scale, type(num_chunks), num_chunks, cfg, tiling)
-    plan = _inputs.cached_plan(
+    plan = inputs.cached_plan(
         key, lambda: _FlashPlan(inp, budget, sampler, tile_size, softmax_scale, num_chunks, cfg,
                                 tiling))
     return plan.run(inp, seq_lens, check_seq_lens, seed, offset, want_idx, want_stats)
@@ -174,16 +176,16 @@ class _FlashPlan:
         """``cfg``: the device's :class:`.config.GpuConfig`; ``tiling``: its
         ``flash_tc_tiling`` for the tensor-core kernel, None for the CUDA-core one."""
         config = cfg.tiling
-        S = _inputs.check_gpu_budget(budget, FLASH_MAX_BUDGET)
+        S = inputs.check_gpu_budget(budget, FLASH_MAX_BUDGET)
         val.check_choice("sampler", sampler, SAMPLERS)
         ts = _check_tile_size(tile_size)
-        s, scale, self.device, dtype_name = _inputs.base_plan(inp, softmax_scale)
-        num_chunks = _inputs.check_num_chunks(num_chunks)
+        s, scale, self.device, dtype_name = inputs.base_plan(inp, softmax_scale)
+        num_chunks = inputs.check_num_chunks(num_chunks)
         if s.batch * s.q_heads >= 2**28:
             raise ValueError(f"`q` batch * heads must be below 2**28 (random-stream rows), got "
                              f"{s.batch * s.q_heads}")
         self.shape = s
-        ctype = _sources.CTYPES[dtype_name]
+        ctype = kernels.CTYPES[dtype_name]
         n_tiles = math.ceil(s.tokens / ts)
         # chunk_len: a multiple of the sampling tile, so no tile straddles two chunks (the
         # warps of a CTA own whole tiles).
@@ -192,7 +194,7 @@ class _FlashPlan:
         if tiling is None:
             family, self.threads = _FAMILY, config.threads
             smem = config.smem_bytes(_FAMILY, s.head_dim, gm, ts)
-            decl = _abi.kernel(family, "santa_flash_chunk")
+            decl = abi.kernel(family, "santa_flash_chunk")
             name = decl.expr(T=ctype, D=s.head_dim, GMAX=gm)
         else:
             family, self.threads = _FAMILY_TC, tiling.threads
@@ -202,10 +204,10 @@ class _FlashPlan:
                                  f"head_dim {s.head_dim}, {gm} heads per group) needs {smem} "
                                  f"bytes of shared memory per CTA, more than the "
                                  f"{smem_limit()} available: use a smaller tile_size")
-            decl = _abi.kernel(family, "santa_flash_tc_chunk")
+            decl = abi.kernel(family, "santa_flash_tc_chunk")
             name = decl.expr(T=ctype, D=s.head_dim, GMAX=gm, **tiling.params())
-        with _inputs.device_scope(self.device):
-            chunk, chunks, chunk_len, self.split = _module.split_kv(
+        with inputs.device_scope(self.device):
+            chunk, chunks, chunk_len, self.split = launch.split_kv(
                 family, name, smem, cfg, s, ctype, align, num_chunks, self.threads,
                 cfg.merge_in_kernel)
         self.chunks, self.chunk_len = chunks, chunk_len
@@ -213,7 +215,7 @@ class _FlashPlan:
         self.idx_stride = S + n_tiles - 1  # >= T_L * ceil(S / T_L) for every T_L <= n_tiles
         self.idx_shape = (s.batch, s.q_heads, self.idx_stride)
         self.tile_shape = (s.batch, s.q_heads, n_tiles)
-        self.chunk = _module.Packed(
+        self.chunk = launch.Packed(
             chunk, (chunks, s.kv_heads, s.batch), (self.threads,),
             decl.bind(_CHUNK_VARIABLE, Hkv=s.kv_heads, G=s.group, N=s.tokens, chunk_len=chunk_len,
                       num_chunks=chunks, tile_size=ts, n_tiles=n_tiles,
@@ -223,8 +225,8 @@ class _FlashPlan:
     def run(self, inp, seq_lens, check_seq_lens, seed, offset, want_idx, want_stats):
         ops = inp.ops
         s = self.shape
-        with _inputs.device_scope(self.device):
-            qp, kp, vp, lens, _keep, stream = _inputs.launch_args(inp, seq_lens, check_seq_lens, s,
+        with inputs.device_scope(self.device):
+            qp, kp, vp, lens, _keep, stream = inputs.launch_args(inp, seq_lens, check_seq_lens, s,
                                                                   self.device)
             out = ops.empty(inp.q, self.out_shape)
             outp = ops.ptr(out)

@@ -10,22 +10,24 @@ import numpy as np
 
 from .. import _validation as val
 from ..spec import PURPOSE_VALUE_SAMPLER, SAMPLERS
-from . import _abi, _inputs, _module, _sources
+from . import kernels
+from .kernels import abi
+from .runtime import inputs, launch
 from .config import get_config
-from ._sources import group_max
+from .kernels import group_max
 
 __all__ = ["santa_prop", "TILE_SIZES", "KERNELS"]
 
 _FAMILY = "santa_prop"
 # Block sizes and work per CTA that the kernels were compiled for (santa_prop.cu,
 # bernoulli.cuh), read from the sources.
-_SAMPLE_THREADS = _abi.constant(_FAMILY, "kSampleThreads")
-_TILE_THREADS = _abi.constant(_FAMILY, "kTileThreads")
-_TILE_LOGITS_PER_CTA = (_abi.constant(_FAMILY, "kTileWarps") * _abi.constant(_FAMILY, "kTileChunks")
-                        * _abi.constant(_FAMILY, "kChunkLogits"))
-_QHAT_THREADS = _abi.constant(_FAMILY, "kQhatThreads")
-_FM_THREADS = _abi.constant(_FAMILY, "kFmThreads")
-_FM_TOKENS_PER_PASS = _FM_THREADS * _abi.constant(_FAMILY, "kFmTokens")
+_SAMPLE_THREADS = abi.constant(_FAMILY, "kSampleThreads")
+_TILE_THREADS = abi.constant(_FAMILY, "kTileThreads")
+_TILE_LOGITS_PER_CTA = (abi.constant(_FAMILY, "kTileWarps") * abi.constant(_FAMILY, "kTileChunks")
+                        * abi.constant(_FAMILY, "kChunkLogits"))
+_QHAT_THREADS = abi.constant(_FAMILY, "kQhatThreads")
+_FM_THREADS = abi.constant(_FAMILY, "kFmThreads")
+_FM_TOKENS_PER_PASS = _FM_THREADS * abi.constant(_FAMILY, "kFmTokens")
 _SCORES = ("exact", "bernoulli")
 # The per-call arguments of the packed launches: santa_prop_logits (q_hat for q with
 # Bernoulli scores), santa_prop_logits_tc, santa_prop_tiles, santa_prop_sample.
@@ -124,7 +126,7 @@ def santa_prop(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_siz
     (1, 32, 128)
     """
     seed, offset = val.check_seed_offset(seed, offset)
-    inp = _inputs.gather(q, k, v)
+    inp = inputs.gather(q, k, v)
     kfm_meta = None
     if k_feature_major is not None:
         k_feature_major = _feature_major_input(inp, k_feature_major)
@@ -135,7 +137,7 @@ def santa_prop(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_siz
     opts = (budget, sampler, tile_size, softmax_scale, num_chunks, return_indices, scores,
             bernoulli_draws, bernoulli_group_shared, return_feature_fraction, kernel)
     key = ("santa_prop", inp.key, kfm_meta, cfg, tuple(type(o) for o in opts), opts)
-    plan = _inputs.cached_plan(key, lambda: _PropPlan.build(inp, kfm_meta, cfg, *opts))
+    plan = inputs.cached_plan(key, lambda: _PropPlan.build(inp, kfm_meta, cfg, *opts))
     return plan.run(inp, seq_lens, check_seq_lens, seed, offset, bool(return_indices),
                     k_feature_major)
 
@@ -185,7 +187,7 @@ def check_draws(name, draws) -> int:
 def _feature_major_input(inp, kfm):
     """``kfm`` as a contiguous array of ``inp``'s framework (shape checked in the plan)."""
     ops = inp.ops
-    if _inputs.ops_for("k_feature_major", kfm) is not ops:
+    if inputs.ops_for("k_feature_major", kfm) is not ops:
         raise TypeError("`k_feature_major` must come from the framework of `k`")
     return ops.contiguous("k_feature_major", kfm)
 
@@ -208,20 +210,20 @@ class _PropPlan:
         """``cfg``: the device's :class:`.config.GpuConfig`; ``tiling``: its
         ``prop_tc_tiling`` for pass 1 on the tensor cores, None for the CUDA cores."""
         config = cfg.tiling
-        S = _inputs.check_gpu_budget(budget)
+        S = inputs.check_gpu_budget(budget)
         val.check_choice("sampler", sampler, SAMPLERS)
         if not isinstance(tile_size, (int, np.integer)) or isinstance(tile_size, bool):
             raise TypeError(f"`tile_size` must be an integer, got {type(tile_size).__name__}")
         if int(tile_size) not in TILE_SIZES:
             raise ValueError(f"`tile_size` must be one of {TILE_SIZES} on the GPU, got {tile_size}")
         ts = int(tile_size)
-        s, scale, self.device, dtype_name = _inputs.base_plan(inp, softmax_scale)
-        num_chunks = _inputs.check_num_chunks(num_chunks)
+        s, scale, self.device, dtype_name = inputs.base_plan(inp, softmax_scale)
+        num_chunks = inputs.check_num_chunks(num_chunks)
         if s.batch * s.q_heads >= 2**28:
             raise ValueError(f"`q` batch * heads must be below 2**28 (random-stream rows), got "
                              f"{s.batch * s.q_heads}")
         self.shape, self.S, self.tiling = s, S, tiling
-        ctype = _sources.CTYPES[dtype_name]
+        ctype = kernels.CTYPES[dtype_name]
         n_tiles = math.ceil(s.tokens / ts)
         n_pad = n_tiles * ts
         rows = s.batch * s.q_heads
@@ -231,8 +233,8 @@ class _PropPlan:
         self.score = score
         if score.kfm_meta is not None:
             _check_feature_major(score.kfm_meta, inp, s, self.device)
-        k = functools.partial(_abi.kernel, _FAMILY)
-        with _inputs.device_scope(self.device):
+        k = functools.partial(abi.kernel, _FAMILY)
+        with inputs.device_scope(self.device):
             if tiling is None:
                 decl1 = k("santa_prop_logits")
                 name1 = decl1.expr(T=ctype, D=s.head_dim, GMAX=gm, QHAT=score.bernoulli)
@@ -242,24 +244,24 @@ class _PropPlan:
                 name1 = decl1.expr(T=ctype, D=s.head_dim, **tiling.params())
                 smem1, align = tiling.smem_bytes(s.head_dim), max(tiling.align(), ts)
                 self.threads1 = tiling.threads
-            logits = _module.launcher(_FAMILY, name1, smem1, cfg)
-            chunks, chunk_len = _module.split_tokens(_FAMILY, name1, smem1, cfg,
+            logits = launch.launcher(_FAMILY, name1, smem1, cfg)
+            chunks, chunk_len = launch.split_tokens(_FAMILY, name1, smem1, cfg,
                                                      s.batch * s.kv_heads, s.tokens, align,
                                                      num_chunks, threads=self.threads1)
             if score.bernoulli:
                 self.qhat_decl = k("bernoulli_qhat")
-                self.qhat = _module.launcher(_FAMILY, self.qhat_decl.expr(T=ctype), 0, cfg)
+                self.qhat = launch.launcher(_FAMILY, self.qhat_decl.expr(T=ctype), 0, cfg)
             if score.kfm_meta is not None:
                 self.fm_decl = k("bernoulli_logits_fm")
                 name_fm = self.fm_decl.expr(T=ctype, GMAX=gm)
-                self.logits_fm = _module.launcher(_FAMILY, name_fm, 0, cfg)
-                fm_chunks, self.fm_chunk_len = _module.split_tokens(
+                self.logits_fm = launch.launcher(_FAMILY, name_fm, 0, cfg)
+                fm_chunks, self.fm_chunk_len = launch.split_tokens(
                     _FAMILY, name_fm, 0, cfg, s.batch * s.kv_heads, s.tokens,
                     _FM_TOKENS_PER_PASS, None)
                 self.grid_fm = (fm_chunks, s.kv_heads, s.batch)
-            tiles = _module.launcher(_FAMILY, k("santa_prop_tiles").expr(), 0, cfg) \
+            tiles = launch.launcher(_FAMILY, k("santa_prop_tiles").expr(), 0, cfg) \
                 if tiling is None else None
-            sample = _module.launcher(_FAMILY, k("santa_prop_sample").expr(T=ctype, D=s.head_dim),
+            sample = launch.launcher(_FAMILY, k("santa_prop_sample").expr(T=ctype, D=s.head_dim),
                                       0, cfg)
         self.chunks, self.chunk_len = chunks, chunk_len
         self.grid1 = (chunks, s.kv_heads, s.batch)
@@ -282,7 +284,7 @@ class _PropPlan:
         # Packed launches of the exact-scores path (the Bernoulli stage's simt logits launch
         # has the same layout with q_hat for q); the pointers, the seed and the offset
         # change per call.
-        p = _module.Packed
+        p = launch.Packed
         pass1 = dict(Hkv=s.kv_heads, G=s.group, N=s.tokens, chunk_len=chunk_len, n_pad=n_pad,
                      scale=scale)
         if tiling is not None:
@@ -312,8 +314,8 @@ class _PropPlan:
         ops = inp.ops
         s = self.shape
         score = self.score
-        with _inputs.device_scope(self.device):
-            qp, kp, vp, lens, _keep, stream = _inputs.launch_args(inp, seq_lens, check_seq_lens, s,
+        with inputs.device_scope(self.device):
+            qp, kp, vp, lens, _keep, stream = inputs.launch_args(inp, seq_lens, check_seq_lens, s,
                                                                   self.device)
             scratch = ops.empty(inp.q, (self.scratch_bytes,), "uint8")
             base = ops.ptr(scratch)
@@ -366,7 +368,7 @@ def _check_feature_major(meta, inp, s, device):
 
 def sampler_code(sampler: str) -> int:
     """The kernels' code of a sampler (philox.cuh: enum Sampler, SAMPLER_<NAME>)."""
-    return _abi.enum(_FAMILY, "Sampler")["SAMPLER_" + sampler.upper()]
+    return abi.enum(_FAMILY, "Sampler")["SAMPLER_" + sampler.upper()]
 
 
 def _layout(sizes):

@@ -14,7 +14,7 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from stochattn.cuda import _sources  # noqa: E402
+from stochattn.cuda import kernels as _sources  # noqa: E402
 from stochattn.cuda.exact import KERNELS, exact_decode  # noqa: E402
 from stochattn.reference.exact import exact_attention as ref_exact  # noqa: E402
 
@@ -85,7 +85,7 @@ def test_exact_in_kernel_merge_equals_merge_launch(dtype, kernel, monkeypatch):
     """The merge by the last CTA of each group inside the chunk launch gives the two-launch
     result bit for bit: empty and one-token sequences, G = 1, 3, 4, 8, D 64 and 128, 3 to
     64 chunks, and repeated calls with other lengths (the counters reset themselves)."""
-    from stochattn.cuda import _module
+    from stochattn.cuda.runtime import launch as _module
 
     cases = [(4, 2, 4, 700, 128, 3), (3, 1, 8, 1999, 64, 64), (2, 3, 1, 257, 128, None),
              (2, 2, 3, 1000, 128, 17)]

@@ -27,7 +27,7 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from stochattn.cuda import _sources  # noqa: E402
+from stochattn.cuda import kernels as _sources  # noqa: E402
 from stochattn.cuda import flash as flash_mod  # noqa: E402
 from stochattn.cuda.flash import flash_diagnostics, santa_flash  # noqa: E402
 from stochattn.reference import santa as ref_santa  # noqa: E402
@@ -287,7 +287,7 @@ def test_flash_in_kernel_merge_equals_merge_launch(dtype, monkeypatch):
     """The chunk merge by each group's last CTA inside the flash launch gives the
     two-launch result bit for bit (empty and one-token sequences, G = 3 and 8, forced and
     default chunk counts), call after call (the arrival counters reset themselves)."""
-    from stochattn.cuda import _module
+    from stochattn.cuda.runtime import launch as _module
 
     for B, Hkv, G, N, D, chunks in [(4, 2, 3, 3000, 128, 7), (2, 1, 8, 1999, 64, None)]:
         q, k, v = peaked_inputs(B, Hkv, G, N, D, seed=G)

@@ -25,7 +25,7 @@ import pytest
 cupy = pytest.importorskip("cupy")
 pytest.importorskip("numba.cuda")
 
-from stochattn.cuda import kmeans as km  # noqa: E402
+from stochattn.cuda.kmeans import host as km  # noqa: E402
 from stochattn.cuda.kmeans import kmeans_gpu  # noqa: E402
 from stochattn.reference.kmeans import build_index  # noqa: E402
 
@@ -200,7 +200,7 @@ def test_cached_plan_rebinds_pointers(framework, monkeypatch):
     pointers, no Numba views): builds of one configuration with other keys, values, GPU
     seq_lens and seeds, each on fresh outputs and scratch, give the uncached index bit for
     bit; the plan is reused, and another stream gets a plan of its own."""
-    from stochattn.cuda import _kmeans_cache
+    from stochattn.cuda.kmeans import cache as _kmeans_cache
 
     torch = pytest.importorskip("torch") if framework == "torch" else None
     kw = dict(KW, iterations=3, tol=0.05)

@@ -11,7 +11,7 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from stochattn.cuda import _inputs  # noqa: E402
+from stochattn.cuda.runtime import inputs as _inputs  # noqa: E402
 from stochattn.cuda.exact import exact_decode  # noqa: E402
 from stochattn.cuda.santa import santa_prop  # noqa: E402
 from stochattn.reference.exact import exact_attention as ref_exact  # noqa: E402
@@ -177,7 +177,7 @@ def test_bfloat16_torch_output_dtype_and_values():
 def test_packed_launches_go_straight_to_the_driver():
     """The hot-path launches of exact_decode and santa_prop use the packed driver call
     (stochattn.cuda._module.Packed), not the fallback through CuPy's Function call."""
-    from stochattn.cuda import _module
+    from stochattn.cuda.runtime import launch as _module
 
     _inputs.clear_plan_cache()
     q, k, v = _inputs_f16(N=2000)

@@ -18,7 +18,7 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from stochattn.cuda import _sources  # noqa: E402
+from stochattn.cuda import kernels as _sources  # noqa: E402
 from stochattn.cuda.santa import KERNELS, santa_prop  # noqa: E402
 from stochattn.reference import santa as ref_santa  # noqa: E402
 from stochattn.reference.common import lengths, logits  # noqa: E402

@@ -20,7 +20,8 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from stochattn.cuda import _module, _pdl, _sources  # noqa: E402
+from stochattn.cuda import kernels as _sources  # noqa: E402
+from stochattn.cuda.runtime import launch as _module, pdl as _pdl  # noqa: E402
 from stochattn.cuda.doublep import doublep_decode  # noqa: E402
 from stochattn.cuda.exact import exact_decode  # noqa: E402
 from stochattn.cuda.flash import santa_flash  # noqa: E402

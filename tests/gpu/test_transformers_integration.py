@@ -333,7 +333,7 @@ def test_doublep_on_cuda_generates_and_grows_its_gpu_index(approx):
 @pytest.fixture
 def kernel_pointers(monkeypatch):
     """(q, k, v) device pointers every CUDA kernel launch gets, recorded."""
-    from stochattn.cuda import _inputs
+    from stochattn.cuda.runtime import inputs as _inputs
 
     seen = []
     original = _inputs.Inputs.pointers

@@ -4,7 +4,7 @@ One launch sequence handles every (sequence b, KV head kvh) problem of a batch a
 problem ``p = b * Hkv + kvh`` is also the ``row`` of its random stream. The token ranges,
 the seeding rule, the distance, the tie rule, the live/empty cluster rules and the early
 stop (``tol``) are those of the reference module docstring; this module differs only in
-precision and order of work (kernels: :mod:`stochattn.cuda._kmeans_kernels`):
+precision and order of work (kernels: :mod:`stochattn.cuda.kmeans.kernels`):
 
 - **Seeding (bit for bit).** Each middle token j gets the Philox-4x32-10 word
   ``random_words(seed, 0, PURPOSE_KMEANS_INIT, row=p, stream=0, draw=j)`` (computed in the
@@ -73,7 +73,7 @@ keys/values are converted to a float32 copy first. ``seq_lens`` on the GPU are t
 
 Host time: the first build of a configuration (framework, device, stream, shapes, dtypes,
 seq_lens kind, options) prepares every launch and keeps the result as a plan
-(:mod:`stochattn.cuda._kmeans_cache`, at most :data:`BUILD_CACHE_SIZE` plans): the
+(:mod:`stochattn.cuda.kmeans.cache`, at most :data:`BUILD_CACHE_SIZE` plans): the
 prepared argument lists, the cuBLAS wrapper, two events and the small scratch (O(H C)
 bytes, zeroed on the stream by every build). A later build of the same configuration
 allocates its outputs and large scratch, rewrites the data pointers, the seed and the
@@ -89,22 +89,15 @@ allocated by each build from the caller's framework (Numba's allocator for NumPy
 from __future__ import annotations
 
 import numpy as np
+from numba import cuda  # the package's __init__ has made NumPy safe for numba-cuda
 
-# Compatibility: numba-cuda 0.30 still refers to ``np.row_stack``, which NumPy 2.5 removed
-# (seen on the H200 machine: every kernel compile failed). Restore the alias, which NumPy
-# defined as ``vstack``, before numba-cuda is imported.
-if not hasattr(np, "row_stack"):
-    np.row_stack = np.vstack
-
-from numba import cuda  # noqa: E402
-
-from .. import _validation as val  # noqa: E402
-from ..spec import DEFAULT_TOL, check_tol  # noqa: E402
-from . import _kmeans_cache  # noqa: E402
-from . import _kmeans_kernels as _k  # noqa: E402
-from ._kmeans_build import (  # noqa: E402
-    _BuildPlan, _empty, _geometry, _Sizes, _stream_ptr, _use_gemm)
-from ._numba_launch import array_layout  # noqa: E402
+from ... import _validation as val
+from ...spec import DEFAULT_TOL, check_tol
+from . import cache as _kmeans_cache
+from . import kernels as _k
+from .build import BuildPlan as _BuildPlan
+from .build import _empty, _geometry, _Sizes, _stream_ptr, _use_gemm
+from .launch import array_layout
 
 __all__ = ["kmeans_gpu", "GEMM_SCRATCH_BYTES", "BUILD_CACHE_SIZE", "clear_build_cache"]
 
@@ -121,7 +114,7 @@ GEMM_SCRATCH_BYTES = 1 << 30
 #: A plan (one per configuration: framework, device, stream, shapes, dtypes, options)
 #: keeps the prepared launches and O(B Hkv C) bytes of small scratch, so that a repeated
 #: build spends no host time on Numba's argument handling; the large scratch (float16
-#: keys, score chunk) is allocated by every build. See :mod:`stochattn.cuda._kmeans_cache`.
+#: keys, score chunk) is allocated by every build. See :mod:`stochattn.cuda.kmeans.cache`.
 BUILD_CACHE_SIZE = 8
 
 

@@ -1,6 +1,6 @@
 """Scratch buffers and launch sequence of :func:`stochattn.cuda.kmeans.kmeans_gpu` (whose
 docstring describes the algorithm) as a plan that repeated builds of one configuration
-reuse (:class:`_BuildPlan`, cached by :mod:`stochattn.cuda._kmeans_cache`), and the GEMM of
+reuse (:class:`BuildPlan`, cached by :mod:`stochattn.cuda.kmeans.cache`), and the GEMM of
 its assignment: cuBLAS on a GPU, a NumPy emulation under the CUDA simulator."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import warnings
 
 import numpy as np
 
-from . import _kmeans_kernels as _k
-from ._kmeans_kernels import cuda
-from ._numba_launch import Bound
+from . import kernels as _k
+from .kernels import cuda
+from .launch import Bound
 
 _SIM = _k.SIM
 _TPB = _k.TPB
@@ -190,7 +190,7 @@ class _EmulatedGemm:
 
 
 class _Slot:
-    """An argument that changes with every build (rebound by :meth:`_BuildPlan.bind`)."""
+    """An argument that changes with every build (rebound by :meth:`BuildPlan.bind`)."""
 
     __slots__ = ("name",)
 
@@ -227,7 +227,7 @@ def _ptr(a) -> int:
 
 class _Sizes:
     """Buffer shapes and chunking that one configuration fixes (the plan cache key holds
-    everything they depend on; layouts: :mod:`stochattn.cuda._kmeans_kernels`).
+    everything they depend on; layouts: :mod:`stochattn.cuda.kmeans.kernels`).
 
     ``cached``: small scratch a cached plan keeps (O(H C) at most); ``per_build``: scratch
     that grows with N or C D (the float16 keys and score chunk: hundreds of MB at 32k),
@@ -266,10 +266,10 @@ class _Sizes:
                 for name, (shape, dtype) in self.per_build.items()}
 
 
-class _BuildPlan:
+class BuildPlan:
     """The launch sequence of :func:`kmeans_gpu` for one configuration (shapes, dtypes,
-    options, stream), kept by the plan cache of :mod:`stochattn.cuda._kmeans_cache`: every
-    kernel launch prepared (:class:`~stochattn.cuda._numba_launch.Bound`), the GEMM wrapper,
+    options, stream), kept by the plan cache of :mod:`stochattn.cuda.kmeans.cache`: every
+    kernel launch prepared (:class:`~stochattn.cuda.kmeans.launch.Bound`), the GEMM wrapper,
     the small scratch, two events. A build rebinds the arrays that change
     (:meth:`bind`: k, v, GPU seq_lens, the outputs and the ``per_build`` scratch), sets the
     seed and launches (:meth:`run`). Not thread-safe: the cache lends a plan to one build
@@ -280,7 +280,7 @@ class _BuildPlan:
     "host" (copied into a buffer of the plan by :meth:`bind`) or "none" (N each).
     """
 
-    in_use = False  # lent to a build (set by stochattn.cuda._kmeans_cache)
+    in_use = False  # lent to a build (set by stochattn.cuda.kmeans.cache)
 
     def __init__(self, kind, like, device, stream, stream_ptr, sizes: _Sizes, n_sink, window,
                  tol, lens_mode, views):

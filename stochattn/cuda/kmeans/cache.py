@@ -1,5 +1,5 @@
 """Plan cache of :func:`stochattn.cuda.kmeans.kmeans_gpu`: one
-:class:`~stochattn.cuda._kmeans_build._BuildPlan` per configuration, lent to one build at a
+:class:`~stochattn.cuda.kmeans.build.BuildPlan` per configuration, lent to one build at a
 time (its ``in_use`` attribute, read and written under this module's lock).
 
 A plan holds prepared launches whose argument lists a build rewrites (data pointers, the

@@ -33,16 +33,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from numba import config as _numba_config  # the package's __init__ made NumPy safe for it
+from numba import cuda
 
-# numba-cuda 0.30 still refers to ``np.row_stack``, which NumPy 2.5 removed (see
-# stochattn/cuda/kmeans.py); restore the alias before numba-cuda is imported.
-if not hasattr(np, "row_stack"):
-    np.row_stack = np.vstack
-
-from numba import config as _numba_config  # noqa: E402
-from numba import cuda  # noqa: E402
-
-from ..spec import PURPOSE_KMEANS_INIT, philox4x32_10  # noqa: E402
+from ...spec import PURPOSE_KMEANS_INIT, philox4x32_10
 
 # ---- launch geometry ------------------------------------------------------------------
 

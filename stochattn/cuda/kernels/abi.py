@@ -57,7 +57,7 @@ class Arg:
 
 class Bound(NamedTuple):
     """A kernel's typed arguments with the positions of the per-call ones (in the order
-    they are named), as :class:`stochattn.cuda._module.Packed` takes them."""
+    they are named), as :class:`stochattn.cuda.runtime.launch.Packed` takes them."""
 
     args: tuple
     variable: tuple
@@ -167,9 +167,9 @@ def _parse_args(kernel_name: str, text: str, template_types) -> tuple:
 
 @functools.lru_cache(maxsize=None)
 def _text(family: str) -> str:
-    from . import _sources
+    from . import source_text
 
-    return _COMMENTS.sub(" ", _sources.source_text(family))
+    return _COMMENTS.sub(" ", source_text(family))
 
 
 @functools.lru_cache(maxsize=None)

@@ -83,7 +83,7 @@ def _error_name(err: int) -> str:
 class PdlLaunch:
     """One launch configuration with the programmatic-serialization attribute set: the
     configuration structure is built once, and each call sets the stream and launches.
-    The caller serialises calls (``_module.Packed`` holds its lock around them)."""
+    The caller serialises calls (``launch.Packed`` holds its lock around them)."""
 
     __slots__ = ("fn", "config", "attr", "fptr", "params")
 

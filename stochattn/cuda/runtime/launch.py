@@ -1,7 +1,7 @@
 """One ``cupy.RawModule`` per kernel family, compiled on first use and cached per device.
 
 ``import stochattn.cuda`` compiles nothing; the first call that needs a family compiles
-all of its template instantiations (``_sources.name_expressions``) once per device,
+all of its template instantiations (``kernels.name_expressions``) once per device,
 process and configuration (a :class:`.config.GpuConfig`: its compile options and element
 types are part of the cache key; CuPy also caches the binary on disk, keyed on the source
 text and options).
@@ -14,8 +14,9 @@ import threading
 
 import numpy as np
 
-from . import _abi, _sources
-from . import config as _config
+from .. import config as _config
+from .. import kernels
+from ..kernels import abi
 
 __all__ = ["get_kernel", "Launcher", "Packed", "ctas_per_sm", "num_sms", "choose_chunks",
            "split_tokens", "split_kv"]
@@ -51,8 +52,8 @@ def _module(family: str, config=None):
     if mod is None:
         # Built outside the lock so that different configurations compile in parallel
         # threads (tuning); two threads racing on one key both compile, one result is kept.
-        mod = cupy.RawModule(code=_sources.source_text(family), options=options,
-                             name_expressions=_sources.name_expressions(family, config.dtypes))
+        mod = cupy.RawModule(code=kernels.source_text(family), options=options,
+                             name_expressions=kernels.name_expressions(family, config.dtypes))
         with _lock:
             mod = _modules.setdefault(key, mod)
     return mod
@@ -103,7 +104,7 @@ class Packed:
     """One launch configuration of a kernel with its argument buffer packed once.
 
     ``args`` are the kernel's arguments as NumPy scalars of the exact C types, normally a
-    :class:`._abi.Bound` from the kernel's declaration (``kernel.bind(variable_names,
+    :class:`..kernels.abi.Bound` from the kernel's declaration (``kernel.bind(variable_names,
     **fixed_values)``), which carries the positions of the per-call arguments; the
     arguments at positions ``variable`` change per call (pointers, seeds, thresholds) and are
     passed to :meth:`__call__` in that order (integers as they are, floating-point values
@@ -119,7 +120,7 @@ class Packed:
 
     ``pdl=True`` (for the second and later kernels of one call, and only when the plan's
     ``TileConfig.pdl`` is on): the launch goes through ``cuLaunchKernelEx`` with the
-    programmatic-serialization attribute (:mod:`._pdl`), so the kernel may be scheduled
+    programmatic-serialization attribute (:mod:`.pdl`), so the kernel may be scheduled
     while the one before it finishes; its ``STOCHATTN_PDL_ENTRY`` waits for that one.
     Where the driver entry point is missing (or older than CUDA 12.3), or the machine
     code is older than sm_90, the launch is an ordinary one (the entry's wait is then a
@@ -129,7 +130,7 @@ class Packed:
                  "fptr", "_lock", "_float", "_pdl")
 
     def __init__(self, launcher: Launcher, grid, block, args, variable=(), pdl: bool = False):
-        if isinstance(args, _abi.Bound):
+        if isinstance(args, abi.Bound):
             if variable:
                 raise TypeError("a Bound carries its variable positions: pass no `variable`")
             args, variable = args
@@ -157,7 +158,7 @@ class Packed:
         # Only for machine code built for sm_90 or newer: below it the kernel's entry wait
         # is compiled out, and a dependent launch would race with the kernel before it.
         if pdl and self.fptr is not None and _binary_version(launcher) >= 90:
-            from . import _pdl
+            from . import pdl as _pdl
 
             ex = _pdl.launch_ex()
             if ex is not None:
@@ -262,7 +263,7 @@ class ChunkMerge:
         self.counters = StreamCounters(groups) if in_kernel else None
         self.merge = None
         if not in_kernel:
-            merge = _abi.kernel(family, "exact_decode_merge")
+            merge = abi.kernel(family, "exact_decode_merge")
             self.merge = Packed(launcher(family, merge.expr(T=ctype), 0, config),
                                 (rows,), (head_dim,),
                                 merge.bind(("part_o", "part_ml", "out"), num_chunks=chunks,
@@ -287,7 +288,7 @@ class ChunkMerge:
 def split_kv(family: str, name: str, smem: int, config, shape, ctype: str, align: int,
              num_chunks, threads: int, in_kernel: bool):
     """A split-KV chunk kernel over the (sequence, KV head) groups of ``shape`` (an
-    ``_inputs`` shape): ``(launcher, chunks, chunk_len, merge)``, the :class:`ChunkMerge` of
+    ``inputs`` shape): ``(launcher, chunks, chunk_len, merge)``, the :class:`ChunkMerge` of
     its partials being None when one chunk writes the output itself."""
     chunk = launcher(family, name, smem, config)
     groups = shape.batch * shape.kv_heads

@@ -26,9 +26,9 @@ import threading
 
 import numpy as np
 
-from .. import _validation as val
-from . import _sources
-from ._arrays import CUPY, TORCH, host_values, launch_stream, ops_for, to_cupy
+from ... import _validation as val
+from ..kernels import HEAD_DIMS, MAX_GROUP
+from .arrays import CUPY, TORCH, host_values, launch_stream, ops_for, to_cupy
 
 __all__ = ["GPU_KERNEL_DTYPES", "Inputs", "gather", "cached_plan", "base_plan",
            "seq_lens_pointer", "launch_args", "check_gpu_budget", "clear_plan_cache",
@@ -159,10 +159,10 @@ def base_plan(inp: Inputs, softmax_scale):
                          f"{devices[1]} and {devices[2]}")
     shape = val.check_attention_inputs(metas["q"], metas["k"], metas["v"], None,
                                        dtypes=GPU_KERNEL_DTYPES)
-    if shape.head_dim not in _sources.HEAD_DIMS:
-        raise ValueError(f"`q` head_dim must be one of {_sources.HEAD_DIMS} on the GPU, got {shape.head_dim}")
-    if shape.group > _sources.MAX_GROUP:
-        raise ValueError(f"`q` heads per `k` head (GQA group) must be <= {_sources.MAX_GROUP} on the "
+    if shape.head_dim not in HEAD_DIMS:
+        raise ValueError(f"`q` head_dim must be one of {HEAD_DIMS} on the GPU, got {shape.head_dim}")
+    if shape.group > MAX_GROUP:
+        raise ValueError(f"`q` heads per `k` head (GQA group) must be <= {MAX_GROUP} on the "
                          f"GPU, got {shape.group}")
     if shape.tokens >= 2**31:
         raise ValueError(f"`k` must hold fewer than 2**31 tokens, got {shape.tokens}")

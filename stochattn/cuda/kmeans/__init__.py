@@ -1,0 +1,30 @@
+"""The Numba-CUDA k-means prefill of Double-P's index: :func:`kmeans_gpu`.
+
+- :mod:`.host`: :func:`kmeans_gpu` (validation, the build plan's cache, the rounds), its
+  knobs ``GEMM_SCRATCH_BYTES`` and ``BUILD_CACHE_SIZE`` (module attributes of
+  :mod:`.host`, read at every call) and :func:`clear_build_cache`;
+- :mod:`.build`: one build plan per configuration (prepared launches, scratch, the GEMM);
+- :mod:`.cache`: the plans lent to builds; :mod:`.kernels`: the Numba kernels;
+- :mod:`.launch`: Numba launches prepared once (:class:`.launch.Bound`).
+
+``import stochattn.cuda.kmeans`` imports no Numba (the names below load :mod:`.host` on
+first access); it only makes NumPy safe for numba-cuda, once for every module here.
+"""
+
+import importlib
+
+import numpy as np
+
+# Compatibility: numba-cuda 0.30 still refers to ``np.row_stack``, which NumPy 2.5 removed
+# (seen on the H200 machine: every kernel compile failed). Restore the alias, which NumPy
+# defined as ``vstack``, before any module of this package imports numba-cuda.
+if not hasattr(np, "row_stack"):
+    np.row_stack = np.vstack
+
+__all__ = ["kmeans_gpu", "clear_build_cache", "GEMM_SCRATCH_BYTES", "BUILD_CACHE_SIZE"]
+
+
+def __getattr__(name):  # lazy: the host module imports Numba
+    if name in __all__:
+        return getattr(importlib.import_module(".host", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
