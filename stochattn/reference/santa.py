@@ -47,6 +47,8 @@ __all__ = [
     "flash_estimate",
     "gather_mean",
     "santa_attention",
+    "santa_attention_per_head",
+    "check_head_budgets",
 ]
 
 # SCHEDULES and SCORES (re-exported) are defined in stochattn.spec.
@@ -374,6 +376,173 @@ def santa_attention(q, k, v, seq_lens, scale: float, *, budget: int, sampler: st
     read &= nonempty[:, None, None]
 
     # True mass of the rows read, under exact attention (exact logits even for Bernoulli).
+    w_exact, _ = masked_weights(x_exact)
+    z_exact = w_exact.sum(axis=-1)
+    mass = (w_exact * read).sum(axis=-1)
+    true_mass = np.divide(mass, z_exact, out=np.zeros_like(mass), where=z_exact > 0)
+    return SantaResult(out, indices, read, samples, waste, feature_fraction, true_mass)
+
+
+# ---------------------------------------------------------------------------------------
+# Per-head budgets (SPEC section 8): every (b, h) row with its own S.
+# ---------------------------------------------------------------------------------------
+
+def check_head_budgets(budget, batch: int, q_heads: int, lens: np.ndarray) -> np.ndarray:
+    """``budget`` as int64 (B, Hq): an integer array, >= 1 on every row of a non-empty
+    sequence (rows of empty sequences may hold 0: they draw nothing)."""
+    arr = np.asarray(budget)
+    if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"`budget` must be an integer array, got dtype {arr.dtype}")
+    if arr.shape != (batch, q_heads):
+        raise ValueError(f"`budget` must have shape ({batch}, {q_heads}), got {arr.shape}")
+    arr = arr.astype(np.int64)
+    need = np.broadcast_to((lens > 0)[:, None], arr.shape)
+    if (arr[need] < 1).any() or (arr < 0).any():
+        raise ValueError(f"`budget` must be >= 1 on every head of a non-empty sequence, got "
+                         f"min {int(arr[need].min() if need.any() else arr.min())}")
+    return arr
+
+
+def _budget_groups(budget: np.ndarray):
+    """(S, mask (B, Hq)) for every distinct S >= 1 in ``budget`` (rows with 0 draw nothing)."""
+    for S in np.unique(budget):
+        if S >= 1:
+            yield int(S), budget == S
+
+
+def _prop_rows(st: TileStats, cum: np.ndarray, mask: np.ndarray, points: np.ndarray):
+    """prop_indices' tile split and tile-local inversion for the rows ``mask`` only.
+
+    ``points`` (R, S) are the rows' global points; ``cum`` is ``np.cumsum(st.local, -1)``.
+    Every float operation is the one prop_indices does (same operands, same order), so the
+    indices are the same bits; only the search differs: a per-tile ``searchsorted`` on the
+    non-decreasing local cumsum (cumsum of non-negative floats never decreases) counts the
+    entries <= target, which is what prop_indices' ``(cum <= target).sum()`` counts, without
+    its (S, tile_size) temporary per row.
+    Returns J (R, S) int64 and counts (R, T) int64.
+    """
+    Z = st.Z[mask]
+    target = points * Z[:, None]  # T_m * Z, as in prop_indices
+    tile = _searchsorted_rows(st.C[mask], target)
+    tile = np.minimum(tile, _last_positive(st.W)[mask][:, None])
+    ri = np.arange(points.shape[0])[:, None]
+    before = st.C_before[mask][ri, tile]
+    sc = st.scale[mask][ri, tile]
+    local_target = (target - before) / np.where(sc > 0, sc, 1.0)
+    cum_rows = cum[mask]  # (R, T, tile_size)
+    r = np.empty_like(tile)
+    for i in range(points.shape[0]):
+        # Points are sorted, so each tile's points are one contiguous run.
+        for t in np.unique(tile[i]):
+            sel = tile[i] == t
+            r[i, sel] = np.searchsorted(cum_rows[i, t], local_target[i, sel], side="right")
+    r = np.minimum(r, _last_positive(st.local)[mask][ri, tile])
+    nonempty = (Z > 0)[:, None]
+    J = np.where(nonempty, tile * st.tile_size + r, 0).astype(np.int64)
+    T = st.W.shape[-1]
+    counts = np.zeros((points.shape[0], T), dtype=np.int64)
+    np.add.at(counts, (np.broadcast_to(ri, tile.shape), tile), nonempty.astype(np.int64))
+    return J, counts
+
+
+def santa_attention_per_head(q, k, v, seq_lens, scale: float, *, budget, sampler: str,
+                             schedule: str, tile_size: int, seed, offset,
+                             scores: str = "exact", bernoulli_draws: int = 4,
+                             bernoulli_group_shared: bool = False) -> SantaResult:
+    """:func:`santa_attention` with a budget per query head: ``budget`` (B, Hq) int.
+
+    Row (b, h) draws exactly what a fixed-budget call with ``budget = budget[b, h]`` draws
+    for that row (same points from the same stream: row b * Hq + h, stream 0 or the tile
+    for flash), and its output is the same bits: the random stream layout does not depend
+    on the other rows' budgets. Allocation over tiles is the fixed-S one per row, so prop
+    stays exactly as unbiased as global.
+
+    Parameters
+    ----------
+    budget : integer array, shape (B, Hq)
+        S per (sequence, query head), >= 1 on non-empty sequences (0 allowed, and ignored,
+        on empty ones).
+    Other parameters as in :func:`santa_attention`.
+
+    Returns
+    -------
+    SantaResult
+        ``indices`` (global, prop) has shape (B, Hq, max S); row (b, h) holds its
+        ``budget[b, h]`` indices first and -1 after them. Other fields as in
+        :func:`santa_attention`.
+
+    Notes
+    -----
+    Rows are processed in groups of equal S. The flash schedule runs
+    :func:`flash_estimate` once per distinct S over every row (the per-tile streams are
+    laid out per (row, tile), so a subset cannot be drawn apart without repeating it);
+    its cost is (distinct budgets) x (one fixed-S call).
+    """
+    B, Hq, D = q.shape
+    N = k.shape[2]
+    lens = lengths(seq_lens, B, N)
+    S_of = check_head_budgets(budget, B, Hq, lens)
+    x_exact = logits(q, k, lens, scale)
+    feature_fraction = None
+    if scores == "exact":
+        x = x_exact
+    elif scores == "bernoulli":
+        from .bernoulli import estimate_scores
+
+        s_hat, feature_fraction = estimate_scores(q, k, lens, draws=bernoulli_draws,
+                                                  group_shared=bernoulli_group_shared,
+                                                  seed=seed, offset=offset)
+        x = scale * np.asarray(s_hat, dtype=np.float64)
+        feature_fraction = np.asarray(feature_fraction, dtype=np.float64)
+    else:
+        raise ValueError(f"`scores` must be one of {', '.join(map(repr, SCORES))}, got {scores!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"`schedule` must be one of {', '.join(map(repr, SCHEDULES))}, got {schedule!r}")
+
+    nonempty = lens > 0
+    T = -(-N // tile_size)
+    rows = _rows(B, Hq)
+    bidx = np.broadcast_to(np.arange(B)[:, None], (B, Hq))
+    kv = np.broadcast_to(kv_head_of(Hq, v.shape[1])[None, :], (B, Hq))
+    v64 = np.asarray(v, dtype=np.float64)
+    out = np.zeros((B, Hq, D))
+    read = np.zeros((B, Hq, N), dtype=bool)
+    samples = np.zeros((B, Hq, T), dtype=np.int64)
+    waste = np.zeros((B, Hq))
+    indices = None
+    if schedule in ("global", "prop"):
+        indices = np.full((B, Hq, max(int(S_of.max()), 1)), -1, dtype=np.int64)
+        if schedule == "global":
+            w, _ = masked_weights(x)
+        else:
+            st = tile_stats(x, tile_size)
+            cum = np.cumsum(st.local, axis=-1)  # tile-local CDFs, as prop_indices forms them
+        for S, mask in _budget_groups(S_of):
+            pts = sample_points(sampler, S, seed=seed, offset=offset, row=rows[mask], stream=0,
+                                heads=Hq)  # the rows' own stream-0 points: global_points
+            if schedule == "global":
+                J = invert_cdf(w[mask], pts)
+                cnt = np.zeros((J.shape[0], T), dtype=np.int64)
+                np.add.at(cnt, (np.arange(J.shape[0])[:, None], J // tile_size), 1)
+            else:
+                J, cnt = _prop_rows(st, cum, mask, pts)
+            indices[mask, :S] = J
+            samples[mask] = cnt
+            # gather_mean for these rows: sum over the S draws, then / S (same order).
+            out[mask] = v64[bidx[mask][:, None], kv[mask][:, None], J].sum(axis=1) / S
+            read_rows = np.zeros((J.shape[0], N), dtype=bool)
+            read_rows[np.arange(J.shape[0])[:, None], J] = True
+            read[mask] = read_rows
+        samples = samples * nonempty[:, None, None]
+    else:
+        for S, mask in _budget_groups(S_of):
+            o_S, read_S, samples_S, waste_S = flash_estimate(x, v, lens, sampler, S, tile_size,
+                                                             seed=seed, offset=offset)
+            out[mask], read[mask] = o_S[mask], read_S[mask]
+            samples[mask], waste[mask] = samples_S[mask], waste_S[mask]
+
+    out = np.where(nonempty[:, None, None], out, 0.0)
+    read &= nonempty[:, None, None]
     w_exact, _ = masked_weights(x_exact)
     z_exact = w_exact.sum(axis=-1)
     mass = (w_exact * read).sum(axis=-1)
