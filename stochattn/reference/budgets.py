@@ -80,6 +80,7 @@ __all__ = [
     "second_moments",
     "pilot_norm_lower",
     "sampler_counts",
+    "check_options",
     "choose_budgets",
     "pilot_size",
     "santa_attention_targeted",
@@ -266,7 +267,9 @@ def pilot_norm_lower(y: np.ndarray, m2: np.ndarray, k: float) -> np.ndarray:
     return np.where(y2 > k * m2, root, 0.0)
 
 
-def _check(eps, delta, max_budget, rule, norm, pilot, pilot_share):
+def check_options(eps, delta, max_budget, rule, norm, pilot, pilot_share):
+    """The options of :func:`choose_budgets` (one set of rules, also for the plans):
+    TypeError for types, ValueError for values; messages name the argument."""
     for name, value in (("eps", eps), ("delta", delta), ("pilot_share", pilot_share)):
         if not isinstance(value, (int, float, np.floating, np.integer)) or isinstance(value, bool):
             raise TypeError(f"`{name}` must be a real number, got {type(value).__name__}")
@@ -283,6 +286,8 @@ def _check(eps, delta, max_budget, rule, norm, pilot, pilot_share):
             raise ValueError(f"`{name}` must be >= 1, got {value}")
     if rule not in RULES:
         raise ValueError(f"`rule` must be one of {', '.join(map(repr, RULES))}, got {rule!r}")
+    if rule == "clt":
+        tail_factor(rule, delta)  # delta <= CLT_MAX_DELTA, reported with the caller's delta
     if norm not in NORMS:
         raise ValueError(f"`norm` must be one of {', '.join(map(repr, NORMS))}, got {norm!r}")
 
@@ -340,7 +345,7 @@ def choose_budgets(x: np.ndarray, v_sqnorms: np.ndarray, v, *, eps: float, delta
     -------
     BudgetChoice
     """
-    _check(eps, delta, max_budget, rule, norm, pilot, pilot_share)
+    check_options(eps, delta, max_budget, rule, norm, pilot, pilot_share)
     B, Hq, N = x.shape
     w, _ = masked_weights(x)  # exp(x - max): the softmax up to its normaliser
     z = w.sum(axis=-1)
