@@ -78,7 +78,8 @@ class TileConfig:
             raise ValueError(f"unsupported threads/stages: {self}")
         for name in ("pdl", "lineinfo"):
             if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"`{name}` must be a bool, got {type(getattr(self, name)).__name__}")
+                raise TypeError(f"`{name}` must be a bool, got "
+                                f"{type(getattr(self, name)).__name__}")
         for d in HEAD_DIMS:  # every head dim must tile: a power of two of rows per thread
             rpt = self.rows_per_thread(d)
             if rpt < 1 or rpt & (rpt - 1) or self.tile_rows(d) * 2 * d != self.stage_bytes \

@@ -35,11 +35,11 @@ from ..spec import PURPOSE_CLUSTER_SAMPLER, SAMPLERS
 from . import kernels
 from .kernels import abi
 from .runtime import inputs, launch
-from .runtime.arrays import ops_for
+from .runtime.arrays import ops_for, to_host
 from .kernels import group_max
 from .config import get_config
 from .santa import _SAMPLE_THREADS, _TILE_LOGITS_PER_CTA, _TILE_THREADS, _TILES_VARIABLE, \
-    SAMPLE_VARIABLE, _layout, _align, sampler_code
+    SAMPLE_VARIABLE, sampler_code
 
 __all__ = ["doublep_decode", "SORT_SELECT_MAX_CLUSTERS"]
 
@@ -246,7 +246,7 @@ class _DoublePPlan:
             flag = sample is not None
             rows_k = launch.launcher(fam, k("doublep_rows").expr(GMAX=gm, SAMPLE=flag), 0, cfg)
             name = k("doublep_attend").expr(T=ctype, D=D, GMAX=gm, SAMPLE=flag)
-            smem = stage + _align(_LIST_CAP * (5 if sample is None else 6), 16)
+            smem = stage + launch.align(_LIST_CAP * (5 if sample is None else 6), 16)
             attend = launch.launcher(fam, name, smem, cfg)
             cl_chunks = math.ceil(C / _CLUSTERS_PER_ATTEND_CTA) if centroid and not sample else 0
             if sample is not None:
@@ -271,8 +271,8 @@ class _DoublePPlan:
             total = tok_chunks + cl_chunks + (sample is not None)
             merge = (launch.launcher(fam, k("exact_decode_merge").expr(T=ctype), 0, cfg)
                      if total > 1 else None)
-            self.true_mass = launch.launcher(fam, k("doublep_true_mass").expr(T=ctype, D=D, GMAX=gm),
-                                              0, cfg)
+            self.true_mass = launch.launcher(
+                fam, k("doublep_true_mass").expr(T=ctype, D=D, GMAX=gm), 0, cfg)
         self.tok_chunks, self.total = tok_chunks, total
         self.slices = max(1, math.ceil(cap / _SLICE_TOKENS))
         rows = s.batch * s.q_heads
@@ -308,7 +308,7 @@ class _DoublePPlan:
             self.grid_tiles = (rows, math.ceil(n_pad / _TILE_LOGITS_PER_CTA))
             self.n_pad = n_pad
             self.idx_shape = (s.batch, s.q_heads, S)
-        self.offsets, self.scratch_bytes = _layout(sizes)
+        self.offsets, self.scratch_bytes = launch.layout(sizes)
         self.NL = NL
         n_pad = self.n_pad if sample is not None else 0
         # Packed launches (launch.Packed): the pointers and the per-call options (n_sink,
@@ -377,9 +377,10 @@ class _DoublePPlan:
                 indices = ops.empty(inp.q, self.idx_shape, "int64")
             if diagnostics:
                 rows = s.batch * s.q_heads
-                diag = ops.empty(inp.q, (_align(32 * rows) + 16 * s.batch * s.kv_heads,), "uint8")
+                diag = ops.empty(inp.q, (launch.align(32 * rows) + 16 * s.batch * s.kv_heads,),
+                                 "uint8")
                 stats = ops.ptr(diag)
-                rows_read = stats + _align(32 * rows)
+                rows_read = stats + launch.align(32 * rows)
             else:
                 stats = rows_read = 0
             self.logits(stream, qp, cent, sizes, xb)
@@ -423,12 +424,12 @@ class _DoublePPlan:
                            labels=labels, codes=codes, part=ops.ptr(part), Hkv=s.kv_heads,
                            G=s.group, N=s.tokens, NL=self.NL, C=self.C, n_sink=n_sink,
                            chunk_len=tm_len, scale_log2=self.scale_log2), stream)
-        host = _to_host(ops, diag).view(np.uint8)
+        host = to_host(diag).view(np.uint8)
         stats = host[:32 * rows].view(np.float64).reshape(s.batch, s.q_heads, 4)
-        off = _align(32 * rows)
+        off = launch.align(32 * rows)
         pairs = s.batch * s.kv_heads
         read = host[off:off + 16 * pairs].view(np.uint64).reshape(2, s.batch, s.kv_heads)
-        p = _to_host(ops, part).reshape(rows, tm_chunks, 3).astype(np.float64)
+        p = to_host(part).reshape(rows, tm_chunks, 3).astype(np.float64)
         M = p[..., 0].max(axis=1, keepdims=True)
         w = np.where(np.isfinite(p[..., 0]), np.exp2(p[..., 0] - np.where(np.isfinite(M), M, 0)), 0)
         total = (p[..., 1] * w).sum(axis=1)
@@ -453,9 +454,9 @@ class _DoublePPlan:
         cluster in C_exact). Host arithmetic on copies of the draws, codes and labels."""
         s = self.shape
         G = s.group
-        drawn = _to_host(ops, indices).reshape(s.batch, s.kv_heads, G * self.sample_cfg.budget)
-        code = _to_host(ops, codes).reshape(s.batch, s.kv_heads, self.C, 8)[..., :G]
-        labels = _to_host(ops, labels)
+        drawn = to_host(indices).reshape(s.batch, s.kv_heads, G * self.sample_cfg.budget)
+        code = to_host(codes).reshape(s.batch, s.kv_heads, self.C, 8)[..., :G]
+        labels = to_host(labels)
         extra = np.zeros((s.batch, s.kv_heads), dtype=np.int64)
         for b in range(s.batch):
             for kvh in range(s.kv_heads):
@@ -464,9 +465,3 @@ class _DoublePPlan:
                 exact = (code[b, kvh, labels[b, kvh, rows]] == 2).any(axis=1)
                 extra[b, kvh] = int((~exact).sum())
         return extra
-
-
-def _to_host(ops, a) -> np.ndarray:
-    if ops.name == "torch":
-        return a.cpu().numpy()
-    return a.get()

@@ -75,7 +75,7 @@ import numpy as np
 
 from .. import _validation as val
 from .._backend import require_cupy
-from .runtime.arrays import CUPY, TORCH, host_values, launch_stream, ops_for, to_cupy
+from .runtime.arrays import CUPY, TORCH, ArrayMeta, host_values, launch_stream, ops_for, to_cupy
 from .runtime.inputs import device_scope
 
 __all__ = ["build_index_gpu", "append_gpu", "csr_gpu", "value_means_gpu", "stack_gpu",
@@ -265,20 +265,9 @@ def _tname(a) -> str:
     return f"{type(a).__module__}.{type(a).__name__}"
 
 
-class _Meta:
-    """Shape and dtype name of an array, for stochattn._validation."""
-
-    __slots__ = ("shape", "ndim", "dtype")
-
-    def __init__(self, shape, dtype_name):
-        self.shape = tuple(int(s) for s in shape)
-        self.ndim = len(self.shape)
-        self.dtype = dtype_name
-
-
 def _check_cache(api, k, v):
     """Shapes, GPU dtypes and one device; returns ``(B, Hkv, N, D), device``."""
-    metas = [_Meta(a.shape, api.dtype_name(a)) for a in (k, v)]
+    metas = [ArrayMeta(a.shape, api.dtype_name(a)) for a in (k, v)]
     shape = val.check_kv_inputs(*metas, dtypes=val.GPU_DTYPES)
     device = api.device(k)
     if api.device(v) != device:

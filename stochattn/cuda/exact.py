@@ -92,7 +92,7 @@ def exact_decode(q, k, v, seq_lens=None, *, softmax_scale=None, num_chunks=None,
     return plan.run(inp, seq_lens, check_seq_lens)
 
 
-class _ExactPlan:
+class _ExactPlan(launch.SplitKVPlan):
     """Everything one configuration of :func:`exact_decode` needs, resolved once."""
 
     def __init__(self, inp, softmax_scale, num_chunks, cfg, tensor_cores):
@@ -128,18 +128,4 @@ class _ExactPlan:
                       num_chunks=chunks, scale_log2=scale * math.log2(math.e)))
 
     def run(self, inp, seq_lens, check_seq_lens):
-        ops = inp.ops
-        s = self.shape
-        with inputs.device_scope(self.device):
-            qp, kp, vp, lens, _keep, stream = inputs.launch_args(inp, seq_lens, check_seq_lens, s,
-                                                                  self.device)
-            out = ops.empty(inp.q, self.out_shape)
-            outp = ops.ptr(out)
-            if self.split is None:  # one chunk: the kernel writes `out`, no partials
-                self.chunk(stream, qp, kp, vp, lens, outp, 0, 0, 0)
-            else:
-                _scratch, po, pml, cnt = self.split.partials(ops, inp.q, stream)
-                self.chunk(stream, qp, kp, vp, lens, outp, po, pml, cnt)
-                self.split.finish(stream, po, pml, outp)
-        return out
-
+        return self.launch(inp, seq_lens, check_seq_lens)[0]

@@ -13,6 +13,7 @@ from ..spec import SAMPLERS
 from . import kernels
 from .kernels import abi
 from .runtime import inputs, launch
+from .runtime.arrays import to_host
 from .kernels import group_max
 from .config import flash_tc_smem_bytes, get_config, smem_limit
 from .santa import sampler_code
@@ -168,7 +169,7 @@ def _check_tile_size(tile_size) -> int:
     return int(tile_size)
 
 
-class _FlashPlan:
+class _FlashPlan(launch.SplitKVPlan):
     """Everything one configuration of :func:`santa_flash` needs, resolved once."""
 
     def __init__(self, inp, budget, sampler, tile_size, softmax_scale, num_chunks, cfg,
@@ -223,37 +224,23 @@ class _FlashPlan:
                       scale=scale))
 
     def run(self, inp, seq_lens, check_seq_lens, seed, offset, want_idx, want_stats):
-        ops = inp.ops
         s = self.shape
-        with inputs.device_scope(self.device):
-            qp, kp, vp, lens, _keep, stream = inputs.launch_args(inp, seq_lens, check_seq_lens, s,
-                                                                  self.device)
-            out = ops.empty(inp.q, self.out_shape)
-            outp = ops.ptr(out)
-            indices = ops.empty(inp.q, self.idx_shape, "int64") if want_idx else None
-            idxp = ops.ptr(indices) if want_idx else 0
+
+        def outputs(ops, like):  # indices, tile statistics; the seed and offset follow
+            indices = ops.empty(like, self.idx_shape, "int64") if want_idx else None
+            stats = None
             if want_stats:
-                tile_m = ops.empty(inp.q, self.tile_shape, "float32")
-                tile_l = ops.empty(inp.q, self.tile_shape, "float32")
-                samples = ops.empty(inp.q, (s.batch,), "int32")
-                statp = (ops.ptr(tile_m), ops.ptr(tile_l), ops.ptr(samples))
-            else:
-                statp = (0, 0, 0)
-            if self.split is None:  # single chunk: the kernel writes `out`, no partials
-                self.chunk(stream, qp, kp, vp, lens, outp, 0, 0, 0, idxp, *statp, seed, offset)
-            else:
-                _scratch, po, pml, cnt = self.split.partials(ops, inp.q, stream)
-                self.chunk(stream, qp, kp, vp, lens, outp, po, pml, cnt, idxp, *statp, seed,
-                           offset)
-                self.split.finish(stream, po, pml, outp)
+                stats = FlashTileStats(ops.empty(like, self.tile_shape, "float32"),
+                                       ops.empty(like, self.tile_shape, "float32"),
+                                       ops.empty(like, (s.batch,), "int32"))
+            ptrs = (ops.ptr(indices) if want_idx else 0,) + (
+                tuple(ops.ptr(a) for a in stats) if want_stats else (0, 0, 0))
+            return (indices, stats), ptrs + (seed, offset)
+
+        out, (indices, stats) = self.launch(inp, seq_lens, check_seq_lens, outputs)
         if not (want_idx or want_stats):
             return out
-        res = (out,)
-        if want_idx:
-            res += (indices,)
-        if want_stats:
-            res += (FlashTileStats(tile_m, tile_l, samples),)
-        return res
+        return (out,) + ((indices,) if want_idx else ()) + ((stats,) if want_stats else ())
 
 
 def flash_diagnostics(stats: FlashTileStats, budget: int):
@@ -274,9 +261,9 @@ def flash_diagnostics(stats: FlashTileStats, budget: int):
         ``sum_t max(0, S_t - S W_t / Z) / sum_t S_t`` with W_t = exp(m_t - m*) l_t, as the
         reference's ``flash_estimate``; 0 for empty sequences (``Diagnostics.sample_waste``).
     """
-    m = _host(stats.tile_max).astype(np.float64)
-    l = _host(stats.tile_sum).astype(np.float64)
-    st = _host(stats.samples).astype(np.int64)
+    m = to_host(stats.tile_max).astype(np.float64)
+    l = to_host(stats.tile_sum).astype(np.float64)
+    st = to_host(stats.samples).astype(np.int64)
     has = l > 0  # tiles of the sequence (l_t >= 1 there; 0 past it)
     samples = np.where(has, st[:, None, None], 0)
     # W_t = exp(m_t - m*) l_t <= l_t: shifted by the row max m* (0 for an empty row).
@@ -289,13 +276,3 @@ def flash_diagnostics(stats: FlashTileStats, budget: int):
     excess = np.where(has, np.maximum(0.0, samples - int(budget) * share), 0.0).sum(axis=-1)
     waste = np.divide(excess, drawn, out=np.zeros_like(excess), where=drawn > 0)
     return samples, waste
-
-
-def _host(a) -> np.ndarray:
-    """NumPy copy of a CuPy array or torch tensor (or a NumPy array as is)."""
-    if hasattr(a, "get"):
-        return a.get()
-    if hasattr(a, "cpu"):
-        return a.detach().cpu().numpy()
-    return np.asarray(a)
-

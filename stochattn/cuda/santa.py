@@ -278,7 +278,7 @@ class _PropPlan:
         sizes = (4 * rows * n_pad, 4 * rows * n_tiles, 4 * rows * n_tiles, 8 * rows * n_tiles,
                  8 * rows * (S + 1) if sampler == "iid" else 8, 4 * rows * S,
                  4 * rows * s.head_dim, 4 * groups * s.head_dim, 4 * groups, 4 * rows)
-        self.offsets, self.scratch_bytes = _layout(sizes)
+        self.offsets, self.scratch_bytes = launch.layout(sizes)
         self.scale, self.n_pad = scale, n_pad
         self.frac_shape = (s.batch, s.q_heads)
         # Packed launches of the exact-scores path (the Bernoulli stage's simt logits launch
@@ -369,16 +369,3 @@ def _check_feature_major(meta, inp, s, device):
 def sampler_code(sampler: str) -> int:
     """The kernels' code of a sampler (philox.cuh: enum Sampler, SAMPLER_<NAME>)."""
     return abi.enum(_FAMILY, "Sampler")["SAMPLER_" + sampler.upper()]
-
-
-def _layout(sizes):
-    """``(offsets, total)`` of consecutive 256-byte aligned pieces of one scratch buffer."""
-    offsets, total = [], 0
-    for size in sizes:
-        offsets.append(total)
-        total += _align(size)
-    return tuple(offsets), total
-
-
-def _align(nbytes: int, to: int = 256) -> int:
-    return -(-nbytes // to) * to

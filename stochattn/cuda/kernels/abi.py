@@ -36,7 +36,8 @@ _SCALARS = {"int": np.int32, "unsigned": np.uint32, "unsigned int": np.uint32,
 _COMMENTS = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
 _KERNEL = re.compile(
     r"(?:template\s*<(?P<template>[^<>]*)>\s*)?__global__\s+void\s+"
-    r"(?:__launch_bounds__\s*\((?:[^()]|\([^()]*\))*\)\s*)?(?P<name>\w+)\s*\((?P<args>[^)]*)\)\s*\{")
+    r"(?:__launch_bounds__\s*\((?:[^()]|\([^()]*\))*\)\s*)?"
+    r"(?P<name>\w+)\s*\((?P<args>[^)]*)\)\s*\{")
 _CONSTEXPR = re.compile(r"^constexpr\s+int\s+(\w+)\s*=\s*([^;]+);", re.M)
 _ENUM = re.compile(r"\benum\s+(\w+)\s*(?::\s*[\w ]+)?\{([^}]*)\}")
 
@@ -89,7 +90,8 @@ class Kernel:
             v = params[n]
             if kind == "bool":
                 if not isinstance(v, (bool, np.bool_)):
-                    raise TypeError(f"{self.name}: template parameter {n} must be a bool, got {v!r}")
+                    raise TypeError(f"{self.name}: template parameter {n} must be a bool, "
+                                    f"got {v!r}")
                 vals.append("true" if v else "false")
             elif kind in ("typename", "class"):
                 if not isinstance(v, str):
@@ -145,7 +147,7 @@ def _parse_template(text: str) -> tuple:
     return tuple(out)
 
 
-def _parse_args(kernel_name: str, text: str, template_types) -> tuple:
+def _parse_args(kernel_name: str, text: str) -> tuple:
     out = []
     for part in (p.strip() for p in text.split(",") if p.strip()):
         m = re.match(r"^(.*?)(\w+)$", part, re.S)
@@ -159,8 +161,8 @@ def _parse_args(kernel_name: str, text: str, template_types) -> tuple:
         elif ctype in _SCALARS:
             scalar = _SCALARS[ctype]
         else:
-            raise ValueError(f"{kernel_name}: argument {m.group(2)!r} has the type {ctype!r}, which "
-                             f"has no launch type here")
+            raise ValueError(f"{kernel_name}: argument {m.group(2)!r} has the type {ctype!r}, "
+                             f"which has no launch type here")
         out.append(Arg(m.group(2), ctype, scalar))
     return tuple(out)
 
@@ -178,9 +180,7 @@ def kernels(family: str) -> dict:
     found = {}
     for m in _KERNEL.finditer(_text(family)):
         template = _parse_template(m.group("template") or "")
-        k = Kernel(m.group("name"), template,
-                   _parse_args(m.group("name"), m.group("args"),
-                               [n for kind, n in template if kind in ("typename", "class")]))
+        k = Kernel(m.group("name"), template, _parse_args(m.group("name"), m.group("args")))
         if found.setdefault(k.name, k) != k:
             raise ValueError(f"{family}: two different declarations of {k.name}")
     return found

@@ -93,6 +93,7 @@ from numba import cuda  # the package's __init__ has made NumPy safe for numba-c
 
 from ... import _validation as val
 from ...spec import DEFAULT_TOL, check_tol
+from ..runtime.arrays import ArrayMeta
 from . import cache as _kmeans_cache
 from . import kernels as _k
 from .build import BuildPlan as _BuildPlan
@@ -124,17 +125,6 @@ def clear_build_cache() -> None:
 
 
 # ---- host side --------------------------------------------------------------------------
-
-
-class _Meta:
-    """Shape and dtype name of a device array, for stochattn._validation."""
-
-    __slots__ = ("shape", "ndim", "dtype")
-
-    def __init__(self, shape, dtype):
-        self.shape = tuple(int(s) for s in shape)
-        self.ndim = len(self.shape)
-        self.dtype = str(dtype).replace("torch.", "")
 
 
 def _framework(name, a):
@@ -251,7 +241,7 @@ def kmeans_gpu(k, v, seq_lens=None, *, n_clusters, iterations=10, n_sink=4, wind
     if kind == "torch" and str(k.dtype) == str(v.dtype) == "torch.bfloat16":
         # No __cuda_array_interface__ type code for bfloat16: widen (exactly) to float32.
         k, v = k.float(), v.float()
-    metas = [_Meta(a.shape, a.dtype) for a in (k, v)]
+    metas = [ArrayMeta(a.shape, str(a.dtype).replace("torch.", "")) for a in (k, v)]
     B, Hkv, N, D = val.check_kv_inputs(*metas, dtypes=("float16", "bfloat16", "float32"))
     n_clusters = val.check_positive_int("n_clusters", n_clusters)
     if n_clusters > N:

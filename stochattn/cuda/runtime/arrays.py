@@ -154,6 +154,28 @@ def to_cupy(name: str, a):
         raise TypeError(f"`{name}` could not be taken as a CUDA array through DLPack: {e}") from e
 
 
+class ArrayMeta:
+    """Shape, ndim and dtype name of an array: what :mod:`stochattn._validation` reads, with
+    no data access."""
+
+    __slots__ = ("shape", "ndim", "dtype")
+
+    def __init__(self, shape, dtype_name: str):
+        self.shape = tuple(int(s) for s in shape)
+        self.ndim = len(self.shape)
+        self.dtype = dtype_name
+
+
+def to_host(a) -> np.ndarray:
+    """NumPy copy of a CuPy array or PyTorch tensor (a NumPy array as it is); a device
+    array's copy synchronises."""
+    if hasattr(a, "get"):
+        return a.get()
+    if hasattr(a, "cpu"):
+        return a.detach().cpu().numpy()
+    return np.asarray(a)
+
+
 def host_values(name: str, a):
     """NumPy view of host data (NumPy array, list/tuple, PyTorch CPU tensor), or None when
     ``a`` lives on a GPU."""

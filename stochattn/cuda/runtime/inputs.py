@@ -28,7 +28,8 @@ import numpy as np
 
 from ... import _validation as val
 from ..kernels import HEAD_DIMS, MAX_GROUP
-from .arrays import CUPY, TORCH, host_values, launch_stream, ops_for, to_cupy
+from .arrays import (CUPY, TORCH, ArrayMeta, host_values, launch_stream, ops_for, to_cupy,
+                     to_host)
 
 __all__ = ["GPU_KERNEL_DTYPES", "Inputs", "gather", "cached_plan", "base_plan",
            "seq_lens_pointer", "launch_args", "check_gpu_budget", "clear_plan_cache",
@@ -131,17 +132,6 @@ class device_scope:
         return False
 
 
-class _Meta:
-    """Duck-typed array for stochattn._validation: shape, ndim, dtype name."""
-
-    __slots__ = ("shape", "ndim", "dtype")
-
-    def __init__(self, shape, dtype_name):
-        self.shape = tuple(int(s) for s in shape)
-        self.ndim = len(self.shape)
-        self.dtype = dtype_name
-
-
 def base_plan(inp: Inputs, softmax_scale):
     """Validate one configuration (on a plan-cache miss): devices, shapes, dtypes, kernel
     limits, scale. Returns ``(shape, scale, device, dtype_name)``."""
@@ -153,7 +143,7 @@ def base_plan(inp: Inputs, softmax_scale):
         if dev < 0:
             raise ops.device_error(name, a)
         devices.append(dev)
-        metas[name] = _Meta(shape, ops.dtype_name(dtype))
+        metas[name] = ArrayMeta(shape, ops.dtype_name(dtype))
     if len(set(devices)) != 1:
         raise ValueError(f"`q`, `k` and `v` must be on one GPU, got devices {devices[0]}, "
                          f"{devices[1]} and {devices[2]}")
@@ -223,7 +213,7 @@ def seq_lens_pointer(inp: Inputs, seq_lens, batch: int, tokens: int, device: int
     if dev_id != device:
         raise ValueError(f"`seq_lens` must be on the GPU of `q` ({device}), got device {dev_id}")
     if check:
-        vals = seq_lens.cpu().numpy() if ops is TORCH else seq_lens.get()
+        vals = to_host(seq_lens)
         val.check_seq_lens(vals, batch, tokens)
     if dname != "int32":
         seq_lens = seq_lens.to(_torch_int32()) if ops is TORCH else seq_lens.astype(np.int32)

@@ -258,7 +258,7 @@ class ChunkMerge:
 
     def __init__(self, family: str, ctype: str, config, rows: int, chunks: int, head_dim: int,
                  groups: int, in_kernel: bool):
-        self.ml_offset = _align(4 * rows * chunks * head_dim)
+        self.ml_offset = align(4 * rows * chunks * head_dim)
         self.scratch_bytes = self.ml_offset + 8 * rows * chunks
         self.counters = StreamCounters(groups) if in_kernel else None
         self.merge = None
@@ -299,8 +299,48 @@ def split_kv(family: str, name: str, smem: int, config, shape, ctype: str, align
     return chunk, chunks, chunk_len, merge
 
 
-def _align(nbytes: int, to: int = 256) -> int:
+class SplitKVPlan:
+    """How a split-KV plan (exact decode, S²ANTA-flash) runs one call. A subclass sets
+    ``chunk`` (the :class:`Packed` chunk launch, whose per-call arguments start with q, k,
+    v, seq_lens, out, part_o, part_ml, counters), ``split`` (its :class:`ChunkMerge`, None
+    when one chunk writes the output itself), ``shape``, ``device`` and ``out_shape``."""
+
+    def launch(self, inp, seq_lens, check_seq_lens, outputs=None):
+        """Queue one call on the caller's stream; returns ``(out, results)``.
+
+        ``outputs(ops, like)``: the call's other outputs, allocated on the inputs' device,
+        as ``(results, the chunk kernel's remaining per-call arguments)``."""
+        from . import inputs
+
+        ops = inp.ops
+        with inputs.device_scope(self.device):
+            qp, kp, vp, lens, _keep, stream = inputs.launch_args(inp, seq_lens, check_seq_lens,
+                                                                 self.shape, self.device)
+            out = ops.empty(inp.q, self.out_shape)
+            outp = ops.ptr(out)
+            results, tail = outputs(ops, inp.q) if outputs is not None else ((), ())
+            if self.split is None:  # one chunk: the kernel writes `out`, no partials
+                self.chunk(stream, qp, kp, vp, lens, outp, 0, 0, 0, *tail)
+            else:
+                _scratch, po, pml, cnt = self.split.partials(ops, inp.q, stream)
+                self.chunk(stream, qp, kp, vp, lens, outp, po, pml, cnt, *tail)
+                self.split.finish(stream, po, pml, outp)
+        return out, results
+
+
+def align(nbytes: int, to: int = 256) -> int:
+    """``nbytes`` rounded up to a multiple of ``to`` (scratch buffer pieces)."""
     return -(-nbytes // to) * to
+
+
+def layout(sizes, to: int = 256):
+    """``(offsets, total)`` of consecutive pieces of ``sizes`` bytes in one scratch buffer,
+    each starting at a multiple of ``to``."""
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += align(size, to)
+    return tuple(offsets), total
 
 
 def _current_stream_ptr() -> int:
