@@ -38,6 +38,13 @@ class Diagnostics:
     true_mass : ndarray of float64, shape (B, Hq), optional
         True softmax mass of the tokens the method computes or samples, under exact
         attention over the whole sequence.
+    budget : ndarray of int64, shape (B, Hq), optional
+        Error-targeted budgets: the S chosen per head (pilot draws not included).
+    budget_capped : ndarray of bool, shape (B, Hq), optional
+        Heads whose S hit ``max_budget``: no guarantee there.
+    error_bound : ndarray of float64, shape (B, Hq), optional
+        The relative tolerance the chosen S guarantees at ``delta`` (inf if |o| could not
+        be bounded).
     """
 
     seq_lens: np.ndarray
@@ -51,6 +58,9 @@ class Diagnostics:
     tokens_exact: np.ndarray | None = None
     estimated_mass: np.ndarray | None = None
     true_mass: np.ndarray | None = None
+    budget: np.ndarray | None = None
+    budget_capped: np.ndarray | None = None
+    error_bound: np.ndarray | None = None
 
     @property
     def k_read_fraction(self) -> np.ndarray:

@@ -63,11 +63,34 @@ softmax_scale, check_finite
 
     function = "santa_attention"
 
-    def __init__(self, *, budget, sampler="systematic", schedule="prop", tile_size=64,
+    def __init__(self, *, budget=None, sampler="systematic", schedule="prop", tile_size=64,
                  scores="exact", bernoulli_draws=4, bernoulli_group_shared=False,
                  softmax_scale=None, check_finite=False, advance_offset=False, device="cpu",
-                 q_heads=None, kv_heads=None, head_dim=None, dtype=None):
-        self.budget = val.check_budget("budget", budget)
+                 q_heads=None, kv_heads=None, head_dim=None, dtype=None, eps=None,
+                 delta=None, max_budget=None, budget_rule="chebyshev", pilot=64,
+                 pilot_share=0.25):
+        self.eps = eps
+        if eps is None:
+            self.budget = val.check_budget("budget", budget)
+            self.delta = self.max_budget = None
+        else:
+            from .reference import budgets as _budgets
+
+            if budget is not None:
+                raise ValueError("give either `budget` or `eps` (error-targeted budgets), "
+                                 f"not both; got budget={budget!r} and eps={eps!r}")
+            if delta is None or max_budget is None:
+                raise ValueError("`eps` needs `delta` and `max_budget`")
+            # One set of rules: the reference's checks (messages name the argument).
+            _budgets.check_options(eps, delta, max_budget, budget_rule, "pilot", pilot,
+                                   pilot_share)
+            if scores != "exact":
+                raise ValueError("error-targeted budgets (`eps`) need scores='exact', got "
+                                 f"{scores!r}")
+            self.budget = None
+            self.eps, self.delta, self.max_budget = float(eps), float(delta), int(max_budget)
+        self.budget_rule = budget_rule
+        self.pilot, self.pilot_share = pilot, pilot_share
         self.sampler = val.check_choice("sampler", sampler, SAMPLERS)
         self.schedule = val.check_choice("schedule", schedule, SCHEDULES)
         self.scores = val.check_choice("scores", scores, SCORES)
@@ -89,9 +112,14 @@ softmax_scale, check_finite
                     bernoulli_draws=self.bernoulli_draws,
                     bernoulli_group_shared=self.bernoulli_group_shared,
                     softmax_scale=self.softmax_scale, check_finite=self.check_finite,
-                    advance_offset=self.advance_offset)
+                    advance_offset=self.advance_offset, eps=self.eps, delta=self.delta,
+                    max_budget=self.max_budget, budget_rule=self.budget_rule,
+                    pilot=self.pilot, pilot_share=self.pilot_share)
 
     def _cuda_missing(self) -> list[str]:
+        if self.eps is not None:
+            return ["error-targeted budgets (`eps`, `delta`): reference only until pass 1 "
+                    "reads |v|^2 (docs/budgets.md)"]
         if self.schedule == "global":
             return ["schedule='global'; the GPU has 'prop' and 'flash'"]
         if self.scores != "exact" and self.schedule != "prop":
@@ -117,10 +145,11 @@ softmax_scale, check_finite
         return result
 
 
-def santa_attention(q, k, v=None, seq_lens=None, *, budget, sampler="systematic", schedule="prop",
-                    tile_size=64, seed=0, offset=0, scores="exact", bernoulli_draws=4,
-                    bernoulli_group_shared=False, softmax_scale=None, check_finite=False,
-                    return_diagnostics=False):
+def santa_attention(q, k, v=None, seq_lens=None, *, budget=None, sampler="systematic",
+                    schedule="prop", tile_size=64, seed=0, offset=0, scores="exact",
+                    bernoulli_draws=4, bernoulli_group_shared=False, softmax_scale=None,
+                    check_finite=False, return_diagnostics=False, eps=None, delta=None,
+                    max_budget=None, budget_rule="chebyshev", pilot=64, pilot_share=0.25):
     """Sampled decode attention: the mean of ``budget`` V rows drawn from the softmax.
 
     For every sequence b and query head h the output is an estimate of the exact attention
@@ -141,7 +170,17 @@ def santa_attention(q, k, v=None, seq_lens=None, *, budget, sampler="systematic"
         length 0 yields a zero output row.
     budget : int
         S, the number of sample points per query head (>= 1; may exceed the sequence
-        length: tokens are then drawn more than once).
+        length: tokens are then drawn more than once). Required unless ``eps`` is given.
+    eps, delta, max_budget : float, float, int, optional
+        Error-targeted budgets instead of ``budget`` (docs/budgets.md): per query head the
+        smallest S with P(|o_hat - o| > eps |o|) <= delta, capped at ``max_budget``
+        (reference only; exact scores only).
+    budget_rule : {"chebyshev", "clt"}
+        Tail bound of the error-targeted budgets: Chebyshev (safe) or the one-degree
+        chi-square quantile (smaller; delta <= 0.2; validated on generated inputs).
+    pilot, pilot_share : int, float
+        Pilot draws per head that bound |o| from below (their cost counts), and the share
+        of delta they spend (see ``stochattn.reference.budgets.pilot_size``).
     sampler : {"systematic", "stratified", "iid"}
         How the S points in [0, 1) are drawn before inverting the CDF of A:
         ``"iid"`` independent uniforms (SANTA); ``"stratified"`` one uniform in each of
@@ -221,7 +260,9 @@ def santa_attention(q, k, v=None, seq_lens=None, *, budget, sampler="systematic"
                        schedule=schedule, tile_size=tile_size, scores=scores,
                        bernoulli_draws=bernoulli_draws,
                        bernoulli_group_shared=bernoulli_group_shared,
-                       softmax_scale=softmax_scale, check_finite=check_finite)
+                       softmax_scale=softmax_scale, check_finite=check_finite, eps=eps,
+                       delta=delta, max_budget=max_budget, budget_rule=budget_rule,
+                       pilot=pilot, pilot_share=pilot_share)
     return plan.dispatch(q, k, v, seq_lens, val.check_bool("return_diagnostics", return_diagnostics),
                          dict(seed=seed, offset=offset))
 
@@ -232,18 +273,30 @@ def _santa_reference(q, k, v, seq_lens, plan, seed, offset, diagnose):
     backend_of(q=q, k=k, v=v, seq_lens=seq_lens)  # host seq_lens only, for the reference
     shape = val.check_attention_inputs(q, k, v, seq_lens)
     tiles = -(-shape.tokens // plan.tile_size)
+    # Error-targeted budgets: the memory bound is the cap (every head may hit it).
+    name, S = ("budget", plan.budget) if plan.eps is None else ("max_budget", plan.max_budget)
     val.check_reference_memory(
-        "budget", plan.budget,
-        8 * shape.batch * shape.q_heads * (plan.budget + tiles) * (shape.head_dim + 3),
+        name, S,
+        8 * shape.batch * shape.q_heads * (S + tiles) * (shape.head_dim + 3),
         "8 B x batch x q_heads x (budget + tiles) x (head_dim + 3): points, indices, V rows")
     scale = val.check_scale(plan.softmax_scale, shape.head_dim)
     if plan.check_finite:
         val.check_finite(q=q, k=k, v=v)
-    res = _ref.santa_attention(q, k, v, seq_lens, scale, budget=plan.budget, sampler=plan.sampler,
-                               schedule=plan.schedule, tile_size=plan.tile_size, seed=seed,
-                               offset=offset, scores=plan.scores,
-                               bernoulli_draws=plan.bernoulli_draws,
-                               bernoulli_group_shared=plan.bernoulli_group_shared)
+    choice = None
+    if plan.eps is not None:
+        from .reference.budgets import santa_attention_targeted
+
+        res, choice = santa_attention_targeted(
+            q, k, v, seq_lens, scale, eps=plan.eps, delta=plan.delta,
+            max_budget=plan.max_budget, rule=plan.budget_rule, pilot=plan.pilot,
+            pilot_share=plan.pilot_share, sampler=plan.sampler, schedule=plan.schedule,
+            tile_size=plan.tile_size, seed=seed, offset=offset)
+    else:
+        res = _ref.santa_attention(q, k, v, seq_lens, scale, budget=plan.budget,
+                                   sampler=plan.sampler, schedule=plan.schedule,
+                                   tile_size=plan.tile_size, seed=seed, offset=offset,
+                                   scores=plan.scores, bernoulli_draws=plan.bernoulli_draws,
+                                   bernoulli_group_shared=plan.bernoulli_group_shared)
     out = finish(res.out, q.dtype)
     if not diagnose:
         return out
@@ -257,6 +310,9 @@ def _santa_reference(q, k, v, seq_lens, plan, seed, offset, diagnose):
         sample_waste=res.sample_waste,
         k_feature_fraction=res.k_feature_fraction,
         true_mass=res.true_mass,
+        budget=None if choice is None else choice.budget,
+        budget_capped=None if choice is None else choice.capped,
+        error_bound=None if choice is None else choice.error_bound,
     )
     return out, diag
 

@@ -29,6 +29,8 @@ PURPOSE_KMEANS_INIT (2)
     Double-P k-means seeding (the random keys of a permutation of the middle tokens).
 PURPOSE_CLUSTER_SAMPLER (3)
     Double-P with SANTA draws inside approximate clusters.
+PURPOSE_BUDGET_PILOT (4)
+    Pilot draws of error-targeted budgets (a lower bound of ||o||, docs/budgets.md).
     Purposes are never renumbered (that changes every draw); new ones take new values.
 SAMPLERS
     Sample-point samplers of the value stage: ``iid``, ``stratified``, ``systematic``.
@@ -61,6 +63,7 @@ __all__ = [
     "PURPOSE_BERNOULLI",
     "PURPOSE_KMEANS_INIT",
     "PURPOSE_CLUSTER_SAMPLER",
+    "PURPOSE_BUDGET_PILOT",
     "PURPOSE_SHIFT",
     "PURPOSE_LIMIT",
     "ROW_LIMIT",
@@ -82,6 +85,7 @@ PURPOSE_VALUE_SAMPLER = 0  # SANTA value stage: strata / systematic offset / iid
 PURPOSE_BERNOULLI = 1  # Bernoulli qK^T feature masks
 PURPOSE_KMEANS_INIT = 2  # Double-P k-means seeding (random keys of a permutation)
 PURPOSE_CLUSTER_SAMPLER = 3  # Double-P with SANTA draws inside approximate clusters
+PURPOSE_BUDGET_PILOT = 4  # pilot draws of error-targeted budgets
 
 PURPOSE_SHIFT = 28  # counter word 2 = (purpose << PURPOSE_SHIFT) | row
 PURPOSE_LIMIT = 1 << (32 - PURPOSE_SHIFT)  # purposes are < 16

@@ -324,3 +324,24 @@ def test_a_doublep_index_builds_and_grows_from_a_paged_cache():
     for name in ("centroids", "sizes", "value_sums", "seq_lens", "n_initialized"):
         assert np.array_equal(getattr(paged, name), getattr(flat, name)), name
     assert np.array_equal(paged.labels[..., :80], flat.labels[..., :80])
+
+
+def test_error_targeted_budgets_through_the_plan():
+    """eps/delta/max_budget instead of budget (docs/budgets.md): per-head budgets in the
+    diagnostics, each head the draws of a fixed-budget call with its own S; refused on the GPU
+    with the reason; budget and eps together are an error."""
+    q, k, v, lens = _inputs()
+    plan = SantaPlan(eps=0.2, delta=0.1, max_budget=512, budget_rule="clt", sampler="stratified")
+    out, diag = plan.diagnose(q, k, v, lens, seed=2, offset=3)
+    assert diag.budget.shape == (2, 4) and diag.budget.dtype == np.int64
+    assert np.all((diag.budget >= 1) & (diag.budget <= 512))
+    b, h = 0, 1
+    fixed = SantaPlan(budget=int(diag.budget[b, h]), sampler="stratified").run(q, k, v, lens, seed=2,
+                                                                               offset=3)
+    assert np.array_equal(out[b, h], fixed[b, h])
+    assert "error-targeted budgets" in SantaPlan(eps=0.1, delta=0.1,
+                                                 max_budget=64).not_supported_reasons("cuda")[0]
+    with pytest.raises(ValueError, match=r"give either `budget` or `eps`"):
+        SantaPlan(budget=8, eps=0.1, delta=0.1, max_budget=64)
+    with pytest.raises(ValueError, match=r"`eps` needs `delta` and `max_budget`"):
+        SantaPlan(eps=0.1)
