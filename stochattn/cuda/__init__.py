@@ -1,4 +1,4 @@
-"""CUDA backend: CuPy RawKernels (CUDA C++ sources in this folder) and Numba-CUDA k-means.
+"""CUDA backend: CuPy RawKernels (CUDA C++ sources in kernels/) and Numba-CUDA k-means.
 
 Nothing here is imported by ``import stochattn``, and ``import stochattn.cuda`` imports no
 CuPy and compiles nothing: the names below load their module on first access, and kernels

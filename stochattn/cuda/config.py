@@ -197,7 +197,7 @@ class TcTiling:
 
 
 # Every tensor-core tiling that is compiled (one instantiation per dtype and head dim
-# each); the first is the default. bench/tune_exact_tc.py compares them. H200, Hq 32 / Hkv 8
+# each); the first is the default. tools/tune_exact_tc.py compares them. H200, Hq 32 / Hkv 8
 # / D 128, three runs (2026-12-04): all four within ~2% of each other at batch 8 and 32
 # (103-110% of the 4.25 TB/s K+V floor); w8 r16 s3 is the fastest at batch 1 (CUDA-graph
 # replay at 32k: 36 us against 38 us for the others), the shape furthest from the floor,
@@ -205,8 +205,8 @@ class TcTiling:
 TC_TILINGS = (TcTiling(8, 16, 3), TcTiling(4, 16, 3), TcTiling(4, 16, 4), TcTiling(4, 32, 2))
 
 # The compiled tilings of S²ANTA-prop's tensor-core pass 1 (santa_prop_logits_tc: K rings
-# only, rows 16 or 32); the first is the default. bench/prop_breakdown.py, H200, fp16,
-# S = 256 (2026-12-04, bench/results/prop_breakdown_2026-12-04b.json): w4 r32 s4 is the
+# only, rows 16 or 32); the first is the default. tools/prop_breakdown.py, H200, fp16,
+# S = 256 (2026-12-04, benchmarks/results/prop_breakdown_2026-12-04b.json): w4 r32 s4 is the
 # fastest at every shape measured (batch 8 / 32k 170 us against 176 and 181; batch 8 / 128k
 # 588 against 613 and 617; batch 32 / 32k 611 against 630 and 626; batch 1 / 128k 107
 # against 110 and 111).

@@ -259,7 +259,7 @@ class _DoublePPlan:
                 # row list, so its work does not depend on where the exact tokens lie; the
                 # gathered rows are latency-bound, so more CTAs in flight help), at least
                 # 128 tokens of the cache per token CTA. H200, calibrated K/V, (0.95, 0.7)
-                # (bench/tune_doublep.py): B=8 / 128k 255 us at 16 per pair against 393 at
+                # (tools/tune_doublep.py): B=8 / 128k 255 us at 16 per pair against 393 at
                 # 4 and 285 at 64; B=32 / 32k best at 4 to 8.
                 slots = launch.num_sms() * launch.ctas_per_sm(fam, name, config.threads, smem,
                                                                 cfg)

@@ -14,7 +14,7 @@ __all__ = ["exact_decode", "KERNELS", "DEFAULT_KERNEL"]
 
 # The chunk kernels: "simt" (exact_decode.cu: CUDA-core dot products and sums) and "tc"
 # (exact_decode_tc.cu: mma.sync on the tensor cores). The default is the faster one at the
-# Llama-3.1-8B decode shape (bench/tune_exact_tc.py, H200, three runs on 2026-12-04): "tc"
+# Llama-3.1-8B decode shape (tools/tune_exact_tc.py, H200, three runs on 2026-12-04): "tc"
 # took 0.78-0.92x the time of "simt" at batch 8 and 32, 32k and 128k, fp16 and bf16 (98-110%
 # of the K+V bandwidth floor, within ~2% of torch SDPA; "simt" 83-94%), and 0.78-0.85x at
 # batch 1 / 128k.

@@ -24,7 +24,7 @@ _FAMILY = "santa_flash"
 _FAMILY_TC = "santa_flash_tc"
 # Step 1 (the tile's logits): "simt" on the CUDA cores (santa_flash.cu) or "tc" on the
 # tensor cores (santa_flash_tc.cu, tilings config.FLASH_TC_TILINGS); same draws, same
-# estimator. The default stays "simt" until bench/tune_flash.py has timed "tc" on the GPU.
+# estimator. The default stays "simt" until tools/tune_flash.py has timed "tc" on the GPU.
 KERNELS = ("simt", "tc")
 DEFAULT_KERNEL = "simt"
 # The chunk kernels' per-call arguments (santa_flash_chunk and santa_flash_tc_chunk take

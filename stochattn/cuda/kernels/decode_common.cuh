@@ -12,7 +12,7 @@
 #define STOCHATTN_NEG_INF (__int_as_float(0xff800000))
 
 // Programmatic dependent launch (sm_90), compiled in with -DSTOCHATTN_PDL=1
-// (_sources.TileConfig.pdl). Every kernel starts with STOCHATTN_PDL_ENTRY(): it waits
+// (config.TileConfig.pdl). Every kernel starts with STOCHATTN_PDL_ENTRY(): it waits
 // until the grid before it in the stream has completed and its writes are visible (a
 // no-op when the kernel was launched without the programmatic-serialization attribute),
 // then lets the next grid, if launched with that attribute, be scheduled while this one
@@ -112,7 +112,7 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // ---- tiling of one KV stream ---------------------------------------------------------
-// The tiling is set at compile time by macros (-D options; _sources.TileConfig is the one
+// The tiling is set at compile time by macros (-D options; config.TileConfig is the one
 // place of truth on the Python side, and the module cache is keyed on the options):
 //   STOCHATTN_THREADS      threads per CTA of the streaming kernels (128 or 256)
 //   STOCHATTN_STAGE_BYTES  bytes of K (and as much of V) per pipeline stage
@@ -194,7 +194,7 @@ __device__ __forceinline__ void load_tile_async(unsigned char* stage, const unsi
 }
 
 // The stage buffers live in dynamic shared memory (sizes above 48 KB need the opt-in the
-// launcher does); the byte count is computed on the host (_sources.TileConfig.smem_bytes).
+// launcher does); the byte count is computed on the host (config.TileConfig.smem_bytes).
 __device__ __forceinline__ unsigned char* dynamic_smem() {
   extern __shared__ __align__(16) unsigned char stochattn_dyn_smem[];
   return stochattn_dyn_smem;

@@ -28,7 +28,7 @@
 // addresses of an ldmatrix 8x8 matrix hit 8 different bank groups.
 //
 // Template parameters: element type T (stochattn::f16, stochattn::bf16), head dim D (64,
-// 128), WARPS per CTA, ROWS per tile (a multiple of 16), STAGES (>= 2); _sources.TcTiling
+// 128), WARPS per CTA, ROWS per tile (a multiple of 16), STAGES (>= 2); config.TcTiling
 // lists the compiled ones. The register arrays always hold 8 heads (the m16 rows 8..15 are
 // never computed); G <= 8 is a run-time value. Inline PTX only (mma, ldmatrix, cvt): no
 // CUDA headers (decode_common.cuh).

@@ -1,7 +1,7 @@
 // exact_decode_merge: the split-KV merge launch, shared by every family whose chunk
 // kernels write (max, sum) partials (exact decode on the CUDA and tensor cores,
 // S²ANTA-flash, Double-P). Compiled into each of their modules; the host declares which
-// (_sources.MERGE_FAMILIES).
+// (kernels.MERGE_FAMILIES).
 #pragma once
 #include "decode_common.cuh"
 #include "group_state.cuh"

@@ -15,7 +15,7 @@
 // The logits differ from the CUDA-core kernel's only by fp32 rounding (another order of
 // the q.k products): the draws equal the reference's up to CDF-boundary rounding, as there.
 //
-// Shared memory per warp (dynamic; the host mirrors it in _sources.flash_tc_smem_bytes):
+// Shared memory per warp (dynamic; the host mirrors it in config.flash_tc_smem_bytes):
 // the ring, STAGES * ROWS * D * 2 bytes; xs [GMAX][TS + 8] fp32 (rows padded by 8 floats,
 // so the 8 heads' lanes store to different banks); cnt [GMAX][TS] int32 (zero between
 // tiles); list [TS] int32. After the loop the CTA's shared memory holds the merge buffers.

@@ -35,7 +35,7 @@ precision and order of work (kernels: :mod:`stochattn.cuda.kmeans.kernels`):
   the lane that read it (a lane holding two or more rescans its own clusters), and a row
   that may hold a non-finite or overflowed score (a non-finite key or centroid, or a key
   so far out that float16 could overflow) scores every cluster. In a NumPy model of this
-  filter on LLM-like keys (``bench/calibrated.py``, N/32 clusters) 3-4% of the tokens
+  filter on LLM-like keys (``stochattn/eval/calibrated.py``, N/32 clusters) 3-4% of the tokens
   need the second look at 32k and about 10% at 128k (a fifth in the first round, against the
   initial centroids), 1.1-1.2 candidates on average; a lane holds two candidates in
   0.3-0.9% of the tokens.
@@ -59,7 +59,7 @@ precision and order of work (kernels: :mod:`stochattn.cuda.kmeans.kernels`):
 Cost of one round, H problems of M tokens, C clusters, D = 128 (``method="gemm"``): the
 GEMM's 2 H M C D flops, 4 H M C bytes of float16 scores written and read, about 8
 floating-point operations per score in the filter, O(H M D) for the rest, and a handful of
-kernel launches (host time that dominates small problems); ``bench/bench_kmeans.py``
+kernel launches (host time that dominates small problems); ``benchmarks/bench_kmeans.py``
 measures it against torch SDPA's causal prefill.
 
 Arrays: NumPy inputs are copied to the device and the results come back as NumPy arrays

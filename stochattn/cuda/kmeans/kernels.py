@@ -47,7 +47,7 @@ SCAN_TPB = 1 if SIM else 256  # threads of the per-problem scans (any size)
 DIM_TPB = 1 if SIM else 256  # threads over D of the per-cluster kernels (a power of two)
 LANES = 1 if SIM else 32  # threads (one warp) of a GEMM-assignment block (power of 2, <= 32)
 LANES_MAX = 32  # shared-memory size of the simulator's warp shuffles
-# GEMM assignment geometry, from bench/tune_kmeans.py on the H200 (2026-12-04, 128k tokens,
+# GEMM assignment geometry, from tools/tune_kmeans.py on the H200 (2026-12-04, 128k tokens,
 # 4096 clusters, ms per build): 4 x 1 45.6, 8 x 1 49.4, 4 x 2 53.2, 4 x 4 55.5, 16 x 1
 # 61.5 (registers). Loading a lane's next words ahead did not help (4 x 1: 47.4).
 ROW_TILE = 2 if SIM else 4  # rows of the GEMM chunk one assignment block reads together

@@ -6,7 +6,7 @@ A plain launch (``kernel[grid, block, stream](*args)``) resolves the overload fr
 arguments' types and flattens every array into its ABI fields (meminfo, parent, size,
 itemsize, pointer, shape, strides) through the driver's context lookups: 70-100 us of host
 time per launch of a kernel with a dozen array arguments (numba-cuda 0.30 on the H200
-machine, bench/timeline_kmeans.py), more than many of those kernels run. :class:`Bound`
+machine, tools/timeline_kmeans.py), more than many of those kernels run. :class:`Bound`
 does that work once and then hands the prepared argument list straight to the launch
 call numba itself makes (``cuda.core.launch``); scalar arguments named ``mutable`` (the
 round number, a seed) are ctypes values that a call overwrites in place, and array

@@ -113,7 +113,7 @@ class Packed:
     start of its slot: the value in the low bytes, little-endian), and the launch goes
     straight to ``cuLaunchKernel`` through ``cupy.cuda.driver.launchKernel`` with a
     prebuilt array of slot addresses: no per-argument conversion, about half the host cost
-    of CuPy's ``Function`` call (``bench/host_overhead.py``). Where that entry point is
+    of CuPy's ``Function`` call (``tools/host_overhead.py``). Where that entry point is
     missing, the same values go through :class:`Launcher`. A lock guards the buffer from
     the write to the launch (the driver has copied the arguments when the call returns),
     so concurrent calls from several threads are safe.
