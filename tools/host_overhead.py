@@ -39,7 +39,7 @@ def main():
     import torch
     import torch.nn.functional as F
 
-    from stochattn.cuda import _module
+    from stochattn.cuda.runtime import launch
     from stochattn.cuda.exact import exact_decode
     from stochattn.cuda.santa import santa_prop
 
@@ -60,7 +60,7 @@ def main():
 
     import cupy
 
-    launcher = _module.launcher("exact_decode", "exact_decode_merge<stochattn::f16>")
+    launcher = launch.launcher("exact_decode", "exact_decode_merge<stochattn::f16>")
     po = cupy.random.standard_normal(HQ * 2 * D, dtype=cupy.float32)
     pml = cupy.ones(HQ * 2 * 2, dtype=cupy.float32)  # (max, sum) = (1, 1)
     out = cupy.zeros(HQ * D, dtype=cupy.float16)

@@ -15,7 +15,6 @@ batch 32.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 
 from benchmarks.bench_decode import Timing, time_steady
@@ -54,18 +53,18 @@ def main(argv=None):
     args = ap.parse_args(argv)
     import torch
 
-    from stochattn.cuda import _sources
+    from stochattn.cuda import config
     from stochattn.cuda.doublep import doublep_decode
     from stochattn.cuda.santa import santa_prop
     from stochattn.doublep import build_doublep_index
 
-    base = _sources.get_config()
+    base = config.get_config()
     rows = []
 
     def ab(label, fn, B, N, sdpa):
         for rnd in range(2):
             for pdl in (False, True):
-                prev = _sources.set_config(dataclasses.replace(base, pdl=pdl))
+                prev = config.set_config(config=base.replace(pdl=pdl))
                 try:
                     eager = time_steady(fn, Timing(batches=5, calls=20))
                     try:
@@ -74,7 +73,7 @@ def main(argv=None):
                         print(f"  graph capture failed: {exc!r}", flush=True)
                         graphed = float("nan")
                 finally:
-                    _sources.set_config(prev)
+                    config.set_config(config=prev)
                 rows.append(dict(kernel=label, batch=B, context=N, pdl=pdl, round=rnd,
                                  eager_us=eager, graph_us=graphed, sdpa_us=sdpa))
                 print(f"{label} B={B} N={N} pdl={'on ' if pdl else 'off'} round {rnd}: eager "

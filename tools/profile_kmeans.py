@@ -32,7 +32,7 @@ def main(argv=None):
         from numba.cuda.dispatcher import CUDADispatcher
 
         import stochattn.cuda.kmeans  # noqa: F401  (patches NumPy before the kernels load)
-        from stochattn.cuda import _kmeans_kernels as kernels
+        from stochattn.cuda.kmeans import kernels
 
         for obj in vars(kernels).values():
             if isinstance(obj, CUDADispatcher) and not obj.targetoptions.get("device"):

@@ -6,7 +6,7 @@ full sequences), for S = 256 (systematic, tile 64), times:
 
 - the whole call for pass 1 on the CUDA cores ("simt": logits, then the tile-statistics
   launch) and on the tensor cores ("tc", every compiled tiling of
-  ``_sources.PROP_TC_TILINGS``: logits and tile statistics in one launch);
+  ``stochattn.cuda.config.PROP_TC_TILINGS``: logits and tile statistics in one launch);
 - the whole call and each launch of the cached plan alone (the others replaced by no-ops)
   under CUDA-graph replay (tools.tune_exact_tc.time_graph: GPU time without the host's);
 - torch SDPA (``enable_gqa=True``) in the same run, and the K-only bandwidth floor (bytes of
@@ -30,6 +30,27 @@ from tools.tune_exact_tc import time_graph
 
 HQ, HKV, D, S, TILE = 32, 8, 128, 256, 64
 CASES = ((1, 32768), (1, 131072), (8, 32768), (8, 131072), (32, 32768))
+
+
+def _plan_of(call):
+    """The launch plan that ``call`` runs (built by it if new): the answer of the plan
+    cache (:func:`stochattn.cuda.runtime.inputs.cached_plan`), caught while ``call`` runs."""
+    from stochattn.cuda.runtime import inputs
+
+    seen = []
+    cached_plan = inputs.cached_plan
+
+    def spy(key, build):
+        plan = cached_plan(key, build)
+        seen.append(plan)
+        return plan
+
+    inputs.cached_plan = spy
+    try:
+        call()
+    finally:
+        inputs.cached_plan = cached_plan
+    return seen[-1]
 
 
 def _launches_alone(call, plan):
@@ -57,8 +78,7 @@ def main(argv=None):
     import torch
     import torch.nn.functional as F
 
-    from stochattn.cuda import _sources
-    from stochattn.cuda import santa as cs
+    from stochattn.cuda import config
     from stochattn.cuda.santa import santa_prop
 
     x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
@@ -66,7 +86,7 @@ def main(argv=None):
     bw = 2 * x.numel() / (time_steady(lambda: y.copy_(x), batches=3, calls=5) * 1e-6)
     del x, y
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write); S = {S}, tile {TILE}, fp16")
-    variants = [("simt", None)] + [("tc", t) for t in _sources.PROP_TC_TILINGS]
+    variants = [("simt", None)] + [("tc", t) for t in config.PROP_TC_TILINGS]
     rows = []
     for case in args.cases.split(","):
         B, N = (int(a) for a in case.split(":"))
@@ -80,14 +100,11 @@ def main(argv=None):
         ref = santa_prop(q, k, v, budget=S, tile_size=TILE, seed=1, kernel="simt",
                          return_indices=True)[1]
         for kernel, tiling in variants:
-            prev = _sources.set_prop_tc_tiling(tiling) if tiling else None
+            prev = config.set_config(prop_tc_tiling=tiling) if tiling else None
             try:
                 call = lambda: santa_prop(q, k, v, budget=S, tile_size=TILE, seed=1,  # noqa: E731
                                           kernel=kernel)
-                known = {id(o) for o in gc.get_objects() if isinstance(o, cs._PropPlan)}
-                call()  # builds this variant's plan
-                plan = next(o for o in gc.get_objects() if isinstance(o, cs._PropPlan)
-                            and id(o) not in known)
+                plan = _plan_of(call)  # builds this variant's plan
                 total = time_steady(call)
                 graph = time_graph(call)
                 idx = santa_prop(q, k, v, budget=S, tile_size=TILE, seed=1, kernel=kernel,
@@ -95,8 +112,8 @@ def main(argv=None):
                 same = float((idx == ref).float().mean())
                 alone = _launches_alone(call, plan)
             finally:
-                if prev:
-                    _sources.set_prop_tc_tiling(prev)
+                if prev is not None:
+                    config.set_config(config=prev)
             label = kernel if tiling is None else tiling.label()
             row = dict(batch=B, tokens=N, kernel=kernel, tiling=label, total_us=total, graph_us=graph,
                        sdpa_us=sdpa, speedup=sdpa / total, k_floor_us=floor_k,

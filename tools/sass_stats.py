@@ -7,13 +7,15 @@ GPU is at hand.
     python3 tools/sass_stats.py exact_decode_tc "f16, 128, 8, 16, 3" --rev-dir tools/revs/35347df
     python3 tools/sass_stats.py santa_flash "f16, 128, 4>" --top 12
 
-The family's source is expanded as the runtime expands it (``_sources.source_text``) and
-compiled for ``--arch`` (sm_90) with the tiling options of the default configuration,
-with nvcc when on PATH, else with NVRTC from the ``nvidia-cuda-nvrtc`` wheel;
-``-Xptxas -v`` gives registers and spills. ``--rev-dir D`` takes the source, the
-instantiations and the options from ``D/stochattn/cuda/_sources.py`` (a revision
-extracted by ``tools/compare_revisions.py prepare``). The machine code is disassembled
-by ``nvdisasm`` (on PATH, or from the ``nvidia-cuda-nvdisasm`` wheel:
+The family's source is expanded as the runtime expands it
+(``stochattn.cuda.kernels.source_text``) and compiled (``stochattn.cuda.build_check``) for
+``--arch`` (sm_90) with the tiling options of the default configuration
+(``stochattn.cuda.config``), with nvcc when on PATH, else with NVRTC from the
+``nvidia-cuda-nvrtc`` wheel; ``-Xptxas -v`` gives registers and spills. ``--rev-dir D``
+takes the source, the instantiations and the options from the revision extracted under
+``D`` by ``tools/compare_revisions.py prepare`` (its ``kernels`` and ``config`` modules, or
+the one ``_sources`` module of a revision before the backend's rooms). The machine code is
+disassembled by ``nvdisasm`` (on PATH, or from the ``nvidia-cuda-nvdisasm`` wheel:
 ``pip install nvidia-cuda-nvdisasm``). A loop is a backward branch: its body is every
 instruction from the branch target to the branch. The compiler that the GPU machine's
 CuPy uses may be a different release: compare revisions with one compiler.
@@ -31,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from typing import Callable, NamedTuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _INSN = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
@@ -39,18 +42,44 @@ _FUNC = re.compile(r"^\s*\.text\.(\S+):")
 _BRANCH = re.compile(r"\b(?:BRA|BRX)\b.*`\((\.L_x_\d+)\)")
 
 
-def load_sources(rev_dir: str | None):
-    """The ``_sources`` module of the working tree, or of a revision under ``rev_dir``."""
-    if rev_dir is None:
-        from stochattn.cuda import _sources
-        return _sources
-    path = os.path.join(rev_dir, "stochattn", "cuda", "_sources.py")
-    name = "_rev_sources_" + re.sub(r"\W", "_", os.path.abspath(rev_dir))
-    spec = importlib.util.spec_from_file_location(name, path)
+class Sources(NamedTuple):
+    """One revision's kernels: ``source_text(family)``, ``name_expressions(family)`` and the
+    compiler options of its default configuration."""
+
+    source_text: Callable
+    name_expressions: Callable
+    options: tuple
+
+
+def _load(name: str, path: str, package_dir: str):
+    spec = importlib.util.spec_from_file_location(name, path,
+                                                  submodule_search_locations=[package_dir])
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(mod)  # imports only the standard library
+    spec.loader.exec_module(mod)
     return mod
+
+
+def load_sources(rev_dir: str | None) -> Sources:
+    """The kernels of the working tree, or of a revision extracted under ``rev_dir``."""
+    if rev_dir is None:
+        from stochattn.cuda import config, kernels
+
+        return Sources(kernels.source_text, kernels.name_expressions,
+                       tuple(config.get_config().tiling.options()))
+    # The revision's stochattn.cuda under another name: its __init__ imports nothing heavy,
+    # and the modules read here import each other relatively.
+    cuda_dir = os.path.join(rev_dir, "stochattn", "cuda")
+    pkg = "_rev_cuda_" + re.sub(r"\W", "_", os.path.abspath(rev_dir))
+    if pkg not in sys.modules:
+        _load(pkg, os.path.join(cuda_dir, "__init__.py"), cuda_dir)
+    if os.path.exists(os.path.join(cuda_dir, "_sources.py")):  # before the rooms: one module
+        mod = importlib.import_module(pkg + "._sources")
+        return Sources(mod.source_text, mod.name_expressions, tuple(mod.get_config().options()))
+    kernels = importlib.import_module(pkg + ".kernels")
+    config = importlib.import_module(pkg + ".config")
+    return Sources(kernels.source_text, kernels.name_expressions,
+                   tuple(config.get_config().tiling.options()))
 
 
 def nvdisasm() -> str:
@@ -108,11 +137,11 @@ def compile_cubin(sources, family: str, pattern: str, arch: str, backend=None):
     if not names:
         raise SystemExit(f"no instantiation of {family} matches {pattern!r}: "
                          f"{sources.name_expressions(family)}")
-    from stochattn.cuda import _sources as here  # the compiler driver of the working tree
+    from stochattn.cuda.build_check import compile_check  # the working tree's driver
 
-    opts = tuple(sources.get_config().options()) + ("-Xptxas=-v",)
-    res = here.compile_check(sources.source_text(family), names, backend=backend, arch=arch,
-                             options=opts, cubin=True)
+    opts = sources.options + ("-Xptxas=-v",)
+    res = compile_check(sources.source_text(family), names, backend=backend, arch=arch,
+                        options=opts, cubin=True)
     if not res.ok:
         raise SystemExit(res.log)
     return names, res

@@ -40,12 +40,12 @@ def _host_costs(call, torch, k, reps=200):
 
     import numpy as np
 
-    from stochattn.cuda import _kmeans_build as kb
-    from stochattn.cuda import _kmeans_kernels as kk
-    from stochattn.cuda import kmeans as km
+    from stochattn.cuda.kmeans import host as km  # BUILD_CACHE_SIZE is read from here
+    from stochattn.cuda.kmeans import kernels as kk
+    from stochattn.cuda.kmeans.build import BuildPlan
 
     keep = {}
-    init, bind, run = kb._BuildPlan.__init__, kb._BuildPlan.bind, kb._BuildPlan.run
+    init, bind, run = BuildPlan.__init__, BuildPlan.bind, BuildPlan.run
 
     def timed(name, fn):
         def wrapped(self, *a, **kw):
@@ -55,8 +55,8 @@ def _host_costs(call, torch, k, reps=200):
             keep["plan"] = self
         return wrapped
 
-    kb._BuildPlan.__init__ = timed("init_us", init)
-    kb._BuildPlan.bind, kb._BuildPlan.run = timed("bind_us", bind), timed("run_us", run)
+    BuildPlan.__init__ = timed("init_us", init)
+    BuildPlan.bind, BuildPlan.run = timed("bind_us", bind), timed("run_us", run)
     limit = km.BUILD_CACHE_SIZE
     try:
         for label, size in (("cached plan", limit), ("uncached (BUILD_CACHE_SIZE = 0)", 0)):
@@ -73,7 +73,7 @@ def _host_costs(call, torch, k, reps=200):
                   f"{keep['run_us']:.0f} us (includes its event waits)")
     finally:
         km.BUILD_CACHE_SIZE = limit
-        kb._BuildPlan.__init__, kb._BuildPlan.bind, kb._BuildPlan.run = init, bind, run
+        BuildPlan.__init__, BuildPlan.bind, BuildPlan.run = init, bind, run
     p = keep["plan"]
     s, t = p.stream, np.int64(p.iterations + 1)
     launches = {
@@ -84,7 +84,7 @@ def _host_costs(call, torch, k, reps=200):
     }
     if p.gemm:
         scratch = p.sizes.scratch("torch", k)
-        p.gemm_call.rebind(*(kb._ptr(scratch[n]) for n in ("cent16", "keys16", "G")))
+        p.gemm_call.rebind(*(scratch[n].data_ptr() for n in ("cent16", "keys16", "G")))
         launches["gemm (cuBLAS through CuPy)"] = lambda: p.gemm_call(0, 8)
     for name, fn in launches.items():
         fn()

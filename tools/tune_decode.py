@@ -1,10 +1,11 @@
 """Tile-configuration sweep of the streaming decode kernels on one GPU (about 2-3 minutes,
 most of it NVRTC compiles, which run in parallel threads).
 
-For each ``stochattn.cuda._sources.TileConfig`` of the grid (stage bytes x stages x
+For each ``stochattn.cuda.config.TileConfig`` of the grid (stage bytes x stages x
 threads x reduction, pruned to what fits and tiles D = 64 and 128) the exact-decode and
-S²ANTA-prop modules are compiled through the library's own path (``_module`` with the
-config's ``-D`` options, fp16 instantiations only), then:
+S²ANTA-prop modules are compiled through the library's own path
+(``stochattn.cuda.runtime.launch.get_kernel`` with the config's ``-D`` options, fp16
+instantiations only: ``config.set_config(dtypes=("float16",))``), then:
 
 1. correctness: exact decode against a float64 torch reference on two small ragged cases
    (D 128 / G 4 and D 64 / G 6, seq_lens with a 0 and a partial tile, split and unsplit),
@@ -63,7 +64,7 @@ SMEM_LIMIT = 227 * 1024
 
 
 def _grid(quick):
-    from stochattn.cuda._sources import TileConfig
+    from stochattn.cuda.config import TileConfig
 
     out = []
     for sb, st, th, red in GRID[:5] if quick else GRID:
@@ -150,13 +151,18 @@ def small_cases():
 
 
 def compile_all(configs, threads):
-    """Compile every config's modules in parallel threads; returns {label: error or None}."""
-    from stochattn.cuda import _module
+    """Compile every config's modules in parallel threads, each under the process default
+    config with that tiling; returns {label: error or None}."""
+    from stochattn.cuda import config
+    from stochattn.cuda.runtime import launch
 
-    def one(cfg):
+    base = config.get_config()
+
+    def one(tiling):
+        cfg = base.replace(tiling=tiling)
         try:
-            _module.get_kernel("exact_decode", "exact_decode_merge<stochattn::f16>", cfg)
-            _module.get_kernel("santa_prop", "santa_prop_sample<stochattn::f16, 128>", cfg)
+            launch.get_kernel("exact_decode", "exact_decode_merge<stochattn::f16>", cfg)
+            launch.get_kernel("santa_prop", "santa_prop_sample<stochattn::f16, 128>", cfg)
             return None
         except Exception as e:  # noqa: BLE001 - report and skip the variant
             return f"{type(e).__name__}: {str(e)[-800:]}"
@@ -174,12 +180,12 @@ def main(argv=None):
     import torch
     import torch.nn.functional as F
 
-    from stochattn.cuda import _inputs, _module, _sources
+    from stochattn.cuda import clear_plan_cache, config
     from stochattn.cuda.exact import exact_decode
     from stochattn.cuda.santa import santa_prop
 
     t0 = time.time()
-    _module.limit_dtypes(("float16",))
+    initial = config.set_config(dtypes=("float16",))
     configs = _grid(args.quick)
     print(f"device {torch.cuda.get_device_name()}; {len(configs)} configurations", flush=True)
     errors = compile_all(configs, args.threads)
@@ -190,7 +196,7 @@ def main(argv=None):
     configs = [c for c in configs if not errors[c.label()]]
 
     def use(cfg):
-        _sources.set_config(cfg)
+        config.set_config(tiling=cfg)
 
     # 1. small ragged correctness cases
     ok = {}
@@ -240,7 +246,7 @@ def main(argv=None):
         results[name] = rows
         print(f"{name} done ({time.time() - t0:.0f} s)", flush=True)
         del q, k, v, ref
-        _inputs.clear_plan_cache()
+        clear_plan_cache()
         torch.cuda.empty_cache()
 
     if not args.no_santa:
@@ -269,9 +275,9 @@ def main(argv=None):
                 print(f"ERROR {cfg.label()} at {name}:\n{traceback.format_exc()[-1500:]}")
         results[name] = rows
         del q, k, v
-        _inputs.clear_plan_cache()
+        clear_plan_cache()
         torch.cuda.empty_cache()
-    _sources.set_config(_sources.DEFAULT_CONFIG)
+    config.set_config(config=initial)
 
     print(f"\n==== results (steady-state us, median of 5 x 20 calls; floor = bytes / copy bw) "
           f"wall {time.time() - t0:.0f} s")
@@ -299,7 +305,7 @@ def main(argv=None):
               f"= {1 / score[best] * 100:.1f}% of floor")
         for cfg in sorted(score, key=score.get):
             print(f"  {cfg.label():<28} {1 / score[cfg] * 100:5.1f}%")
-        print("\nto make it the default, in stochattn/cuda/_sources.py:\n  DEFAULT_CONFIG = "
+        print("\nto make it the default, in stochattn/cuda/config.py:\n  DEFAULT_TILE_CONFIG = "
               f"TileConfig(stage_bytes={best.stage_bytes}, stages={best.stages}, "
               f"threads={best.threads}, reduce={best.reduce!r})\nor for one process: "
               f"STOCHATTN_TILE_CONFIG={best.stage_bytes},{best.stages},{best.threads},{best.reduce}")

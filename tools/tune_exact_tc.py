@@ -1,5 +1,6 @@
 """Exact decode: the CUDA-core chunk kernel ("simt"), the tensor-core one ("tc", every
-compiled tiling of ``_sources.TC_TILINGS``) and torch SDPA, at the Llama-3.1-8B decode shape.
+compiled tiling of ``stochattn.cuda.config.TC_TILINGS``) and torch SDPA, at the
+Llama-3.1-8B decode shape.
 
 Shapes: Hq 32, Hkv 8, D 128; fp16 and bf16; batch 1, 8, 32; contexts 32768 and 131072
 (Gaussian K/V made on the GPU, full sequences). Timing: 3 warm-up calls, then 5 batches of
@@ -13,8 +14,8 @@ Prints one row per (dtype, batch, context) with time and % of the floor for simt
 default tc tiling, the fastest tc tiling, SDPA, and the default tc and SDPA once more with
 the 20 calls captured in a CUDA graph and replayed (GPU time without the host's launch
 overhead, which matters at batch 1), and the default tc with the chunks merged by a second
-launch instead of inside the chunk launch (``_module.MERGE_IN_KERNEL = False``; "2-launch",
-plain and graphed); then the tc tilings by the geometric mean of time / floor.
+launch instead of inside the chunk launch (``config.using_config(merge_in_kernel=False)``;
+"2-launch", plain and graphed); then the tc tilings by the geometric mean of time / floor.
 ``--json PATH`` writes every measurement.
 
 Run: PYTHONPATH=. python3 tools/tune_exact_tc.py [--json PATH] [--quick]
@@ -87,13 +88,12 @@ def main(argv=None):
     import torch
     import torch.nn.functional as F
 
-    from stochattn.cuda import _sources
-    from stochattn.cuda import _module
+    from stochattn.cuda import config
     from stochattn.cuda.exact import exact_decode
 
     dtypes = DTYPES[:1] if args.quick else DTYPES
-    tilings = _sources.TC_TILINGS[:1] if args.quick else _sources.TC_TILINGS
-    default_tiling = _sources.get_tc_tiling()
+    tilings = config.TC_TILINGS[:1] if args.quick else config.TC_TILINGS
+    default_tiling = config.get_config().tc_tiling
     t0 = time.time()
     q0 = torch.zeros(1, HQ, D, device="cuda", dtype=torch.float16)
     k0 = torch.zeros(1, HKV, 64, D, device="cuda", dtype=torch.float16)
@@ -127,22 +127,18 @@ def main(argv=None):
                 row["simt_us"] = time_steady(lambda: exact_decode(q, k, v, kernel="simt"))
                 row["tc"] = {}
                 for t in tilings:
-                    _sources.set_tc_tiling(t)
-                    err = rel_err(exact_decode(q, k, v, kernel="tc"), ref)
-                    us = time_steady(lambda: exact_decode(q, k, v, kernel="tc"))
+                    with config.using_config(tc_tiling=t):
+                        err = rel_err(exact_decode(q, k, v, kernel="tc"), ref)
+                        us = time_steady(lambda: exact_decode(q, k, v, kernel="tc"))
                     row["tc"][t.label()] = {"us": us, "err": err}
-                _sources.set_tc_tiling(default_tiling)
                 # GPU time alone (CUDA graph replay): what the host's launch overhead hides
                 # at batch 1.
                 row["tc_graph_us"] = time_graph(lambda: exact_decode(q, k, v, kernel="tc"))
                 row["sdpa_graph_us"] = time_graph(sdpa)
-                _module.MERGE_IN_KERNEL = False
-                try:
+                with config.using_config(merge_in_kernel=False):
                     row["tc_two_launch_us"] = time_steady(lambda: exact_decode(q, k, v, kernel="tc"))
                     row["tc_two_launch_graph_us"] = time_graph(
                         lambda: exact_decode(q, k, v, kernel="tc"))
-                finally:
-                    _module.MERGE_IN_KERNEL = True
                 rows.append(row)
                 del q, k, v, q4, ref
                 torch.cuda.empty_cache()
@@ -162,7 +158,7 @@ def main(argv=None):
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                 "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "bandwidth_Bps": BANDWIDTH, "timing": "median of 5 batches of 20 calls",
-                "tile_config": _sources.get_config().label(),
+                "tile_config": config.get_config().tiling.label(),
                 "default_tc_tiling": default_tiling.label(),
                 "geomean_pct_of_floor": {**{k: 100 / s for k, s in scores.items()},
                                          "simt": 100 / simt, "sdpa": 100 / sdpa}}

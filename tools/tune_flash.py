@@ -8,8 +8,8 @@ Inputs as benchmarks/bench_doublep.py (calibrated generator, Llama-3.1-8B decode
 Prints the median of 15 batches of 10 back-to-back calls (CUDA events) per setting, the
 speedup over SDPA, and the fraction of V rows read (distinct rows per KV head). Kernels:
 "simt" (CUDA-core logits) and "tc" (tensor-core logits; ``--tc-tilings default`` times
-the active tiling, ``all`` every one of ``_sources.FLASH_TC_TILINGS``). ``--json`` writes
-every measurement.
+the active tiling, ``all`` every one of ``stochattn.cuda.config.FLASH_TC_TILINGS``).
+``--json`` writes every measurement.
 """
 
 from __future__ import annotations
@@ -51,19 +51,19 @@ def main(argv=None):
     args = ap.parse_args(argv)
     import torch
 
-    from stochattn.cuda import _sources
+    from stochattn.cuda import config
     from stochattn.cuda.exact import exact_decode
     from stochattn.cuda.flash import santa_flash
 
     variants = []  # (label, kernel, tc tiling or None)
     for kern in args.kernels.split(","):
         if kern == "tc":
-            tilings = (_sources.FLASH_TC_TILINGS if args.tc_tilings == "all"
-                       else (_sources.get_flash_tc_tiling(),))
+            tilings = (config.FLASH_TC_TILINGS if args.tc_tilings == "all"
+                       else (config.get_config().flash_tc_tiling,))
             variants += [(t.label(), "tc", t) for t in tilings]
         else:
             variants.append((kern, kern, None))
-    default_tc = _sources.get_flash_tc_tiling()
+    default_tc = config.get_config().flash_tc_tiling
     rows = []
     for case in args.cases.split(","):
         B, N = (int(x) for x in case.split(":"))
@@ -76,17 +76,13 @@ def main(argv=None):
         for S in (int(x) for x in args.budgets.split(",")):
             for ts in (int(x) for x in args.tiles.split(",")):
                 for label, kern, tiling in variants:
-                    if tiling is not None:
-                        _sources.set_flash_tc_tiling(tiling)
-                    try:
+                    with config.using_config(flash_tc_tiling=tiling or default_tc):
                         def fn():
                             return santa_flash(q, k, v, budget=S, tile_size=ts, seed=1,
                                                kernel=kern)
                         t = gpu_us(fn)
                         _, idx = santa_flash(q, k, v, budget=S, tile_size=ts, seed=1,
                                              return_indices=True, kernel=kern)
-                    finally:
-                        _sources.set_flash_tc_tiling(default_tc)
                     frac = rows_read(idx, group, N)
                     rows.append({"batch": B, "context": N, "budget": S, "tile_size": ts,
                                  "kernel": label, "us": t, "sdpa_us": sdpa, "exact_us": exact,

@@ -1,5 +1,5 @@
 """k-means prefill time against the GEMM assignment's launch geometry: to choose ROW_TILE
-and TILES_PER_BLOCK of stochattn/cuda/_kmeans_kernels.py.
+and TILES_PER_BLOCK of stochattn/cuda/kmeans/kernels.py.
 
     python3 tools/tune_kmeans.py --geometries 4x4,8x2,2x8 --tokens 131072 --clusters 4096
 
@@ -23,7 +23,7 @@ def run_one(rows: int, tiles: int, tokens: int, clusters: int, reps: int) -> dic
     import numpy as np
     import torch
 
-    from stochattn.cuda import _kmeans_kernels as kk
+    from stochattn.cuda.kmeans import kernels as kk
 
     kk.ROW_TILE, kk.TILES_PER_BLOCK = rows, tiles  # before the first launch compiles them
     from benchmarks.bench_doublep import calibrated
