@@ -73,32 +73,32 @@ def test_flash_tc_shared_memory_fits_and_keeps_rings_aligned():
     128 bytes, so every warp's ring starts where the first one does modulo 128 (16-byte
     cp.async, bank-conflict-free ldmatrix rows); the CTA's total fits sm_90's 227 KB and
     holds the cross-warp merge buffers."""
-    from stochattn.cuda import kernels as _sources
+    from stochattn.cuda import config, kernels
     from stochattn.cuda.flash import TILE_SIZES
 
-    for t in _sources.FLASH_TC_TILINGS:
+    for t in config.FLASH_TC_TILINGS:
         assert t.matrices == 1 and t.rows in (16, 32)  # the kernel's static_asserts
-        for d in _sources.HEAD_DIMS:
-            for gm in _sources.GROUP_MAXES:
+        for d in kernels.HEAD_DIMS:
+            for gm in kernels.GROUP_MAXES:
                 merge = (2 + d) * t.warps * gm * 4
                 for ts in TILE_SIZES:
                     per_warp = t.stages * t.rows * d * 2 + ts * (8 * gm + 4) + 32 * gm
                     assert per_warp % 128 == 0, (t, d, gm, ts)
-                    total = _sources.flash_tc_smem_bytes(t, d, gm, ts)
+                    total = config.flash_tc_smem_bytes(t, d, gm, ts)
                     assert total == max(t.warps * per_warp, merge)
-                    assert merge <= total <= _sources.smem_limit(), (t, d, gm, ts, total)
+                    assert merge <= total <= config.smem_limit(), (t, d, gm, ts, total)
 
 
 def test_flash_tc_tiling_is_settable_only_to_compiled_ones():
     import pytest
 
-    from stochattn.cuda import kernels as _sources
+    from stochattn.cuda import config
 
-    prev = _sources.set_flash_tc_tiling(_sources.FLASH_TC_TILINGS[-1])
+    prev = config.set_config(flash_tc_tiling=config.FLASH_TC_TILINGS[-1]).flash_tc_tiling
     try:
-        assert _sources.get_flash_tc_tiling() == _sources.FLASH_TC_TILINGS[-1]
+        assert config.get_config().flash_tc_tiling == config.FLASH_TC_TILINGS[-1]
         with pytest.raises(ValueError, match="compiled"):
-            _sources.set_flash_tc_tiling(_sources.TcTiling(2, 16, 2, 1))
+            config.set_config(flash_tc_tiling=config.TcTiling(2, 16, 2, 1))
     finally:
-        _sources.set_flash_tc_tiling(prev)
-    assert _sources.get_flash_tc_tiling() == prev
+        config.set_config(flash_tc_tiling=prev)
+    assert config.get_config().flash_tc_tiling == prev

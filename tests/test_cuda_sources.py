@@ -17,11 +17,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stochattn.cuda import kernels as _sources
+from stochattn.cuda import build_check, config, kernels
+from stochattn.cuda.kernels import abi
 from stochattn.reference.rng import random_words, uniforms
 from stochattn.reference.samplers import invert_cdf, sample_points
 
-_BACKENDS = [name for name, path in _sources.available_backends().items() if path]
+_BACKENDS = [name for name, path in build_check.available_backends().items() if path]
 _NO_COMPILER = "neither nvcc on PATH nor libnvrtc (pip install nvidia-cuda-nvrtc) is available"
 
 
@@ -32,27 +33,27 @@ def _backend_params():
 
 
 @pytest.mark.parametrize("backend", _backend_params())
-@pytest.mark.parametrize("family", sorted(_sources.FAMILIES))
+@pytest.mark.parametrize("family", sorted(kernels.FAMILIES))
 def test_family_compiles_for_sm90(family, backend):
-    names = _sources.name_expressions(family)
+    names = kernels.name_expressions(family)
     assert len(names) == len(set(names)) >= 3
-    result = _sources.compile_check(_sources.source_text(family), names, backend=backend)
+    result = build_check.compile_check(kernels.source_text(family), names, backend=backend)
     assert result.ok, f"{family} failed to compile with {backend}:\n{result.log}"
 
 
 # A non-default configuration: bigger stages, more threads, the reduce-scatter reduction
 # (the kernels' static_asserts check that it tiles both head dims), and programmatic
 # dependent launch (every kernel's STOCHATTN_PDL_ENTRY compiled in).
-_OTHER_CONFIG = _sources.TileConfig(stage_bytes=16384, stages=3, threads=256, reduce="scatter",
-                                    pdl=True)
+_OTHER_CONFIG = config.TileConfig(stage_bytes=16384, stages=3, threads=256, reduce="scatter",
+                                  pdl=True)
 
 
 @pytest.mark.parametrize("backend", _BACKENDS[:1] or _backend_params())
-@pytest.mark.parametrize("family", sorted(_sources.FAMILIES))
+@pytest.mark.parametrize("family", sorted(kernels.FAMILIES))
 def test_family_compiles_with_other_tiling(family, backend):
-    names = _sources.name_expressions(family)
-    result = _sources.compile_check(_sources.source_text(family), names, backend=backend,
-                                    config=_OTHER_CONFIG)
+    names = kernels.name_expressions(family)
+    result = build_check.compile_check(kernels.source_text(family), names, backend=backend,
+                                       config=_OTHER_CONFIG)
     assert result.ok, f"{family} with {_OTHER_CONFIG} failed with {backend}:\n{result.log}"
 
 
@@ -60,9 +61,9 @@ def test_family_compiles_with_other_tiling(family, backend):
 def test_untileable_macros_fail(backend):
     """The static_asserts bite: 3 rows per thread is not a power of two (6 KB stages at
     D = 128 with 128 threads), so the macros alone, bypassing TileConfig, fail to compile."""
-    code = "#define STOCHATTN_STAGE_BYTES 6144\n" + _sources.source_text("exact_decode")
-    result = _sources.compile_check(code, ["exact_decode_chunk<stochattn::f16, 128, 4>"],
-                                    backend=backend)
+    code = "#define STOCHATTN_STAGE_BYTES 6144\n" + kernels.source_text("exact_decode")
+    result = build_check.compile_check(code, ["exact_decode_chunk<stochattn::f16, 128, 4>"],
+                                       backend=backend)
     assert not result.ok
 
 
@@ -71,54 +72,54 @@ def test_tile_config_options_and_validation():
     assert cfg.options() == ("-std=c++17", "-DSTOCHATTN_STAGE_BYTES=16384", "-DSTOCHATTN_STAGES=3",
                              "-DSTOCHATTN_THREADS=256", "-DSTOCHATTN_REDUCE=1",
                              "-DSTOCHATTN_PDL=1")
-    assert "-DSTOCHATTN_PDL=1" not in _sources.TileConfig().options()
+    assert "-DSTOCHATTN_PDL=1" not in config.TileConfig().options()
     with pytest.raises(TypeError, match="`pdl` must be a bool"):
-        _sources.TileConfig(pdl=1)
+        config.TileConfig(pdl=1)
     assert (cfg.tile_rows(128), cfg.rows_per_thread(128), cfg.tile_rows(64), cfg.rows_per_thread(64)) \
         == (64, 4, 128, 4)
     assert cfg.smem_bytes("exact_decode", 128, 4) == 3 * 2 * 16384
     assert cfg.smem_bytes("santa_prop", 128, 4) == 3 * 16384
     # the merge buffers dominate small pipelines: (2 + D) floats per warp and head
-    assert _sources.TileConfig(4096, 2, 256).smem_bytes("exact_decode", 128, 8) == 130 * 8 * 8 * 4
+    assert config.TileConfig(4096, 2, 256).smem_bytes("exact_decode", 128, 8) == 130 * 8 * 8 * 4
     # santa_flash: per warp, FLASH_WARP_STAGES stages of stage_bytes / warps, then logits,
     # counts ([GMAX][tile] each, 4 bytes) and the row list ([tile], 4 bytes)
     warps = 256 // 32
-    per_warp = _sources.FLASH_WARP_STAGES * 16384 // warps + 64 * (8 * 4 + 4)
+    per_warp = abi.constant("santa_flash", "kFlashStages") * 16384 // warps + 64 * (8 * 4 + 4)
     assert cfg.smem_bytes("santa_flash", 128, 4, 64) == warps * per_warp
     with pytest.raises(ValueError, match="tile_size"):
         cfg.smem_bytes("santa_flash", 128, 4)
     with pytest.raises(ValueError, match="warps"):
-        _sources.TileConfig(stage_bytes=32768, threads=128)  # 8 KB warp stages: 64 rows at D 64
+        config.TileConfig(stage_bytes=32768, threads=128)  # 8 KB warp stages: 64 rows at D 64
     with pytest.raises(ValueError, match="reduce"):
-        _sources.TileConfig(reduce="tree")
+        config.TileConfig(reduce="tree")
     with pytest.raises(ValueError, match="does not tile"):
-        _sources.TileConfig(stage_bytes=6144)
+        config.TileConfig(stage_bytes=6144)
     with pytest.raises(ValueError, match="does not tile"):
-        _sources.TileConfig(stage_bytes=2048, threads=256)  # half a row per thread at D = 128
+        config.TileConfig(stage_bytes=2048, threads=256)  # half a row per thread at D = 128
 
 
 def test_tc_tiling_sizes_and_validation():
     """exact_decode_tc.cu's tilings: per-warp K+V rings (reused by the 8-head merge), one
     tile per warp as the chunk alignment, and every compiled tiling instantiated."""
-    t = _sources.TcTiling(warps=8, rows=16, stages=3)
+    t = config.TcTiling(warps=8, rows=16, stages=3)
     assert (t.threads, t.align(), t.smem_bytes(128), t.smem_bytes(64)) == (256, 128, 196608, 98304)
     # the merge buffers dominate tiny rings: (2 + D) floats per warp and head, 8 heads
-    assert _sources.TcTiling(2, 16, 2).smem_bytes(128) == max(2 * 2 * 2 * 16 * 256, 130 * 2 * 8 * 4)
-    names = _sources.name_expressions("exact_decode_tc")
-    for tl in _sources.TC_TILINGS:
+    assert config.TcTiling(2, 16, 2).smem_bytes(128) == max(2 * 2 * 2 * 16 * 256, 130 * 2 * 8 * 4)
+    names = kernels.name_expressions("exact_decode_tc")
+    for tl in config.TC_TILINGS:
         assert f"exact_decode_tc_chunk<stochattn::bf16, 64, {tl.template_args()}>" in names
     assert "exact_decode_merge<stochattn::f16>" in names
     with pytest.raises(ValueError, match="shared memory"):
-        _sources.TcTiling(warps=8, rows=32, stages=3)
+        config.TcTiling(warps=8, rows=32, stages=3)
     with pytest.raises(ValueError, match="unsupported"):
-        _sources.TcTiling(rows=24)
+        config.TcTiling(rows=24)
     with pytest.raises(ValueError, match="compiled"):
-        _sources.set_tc_tiling(_sources.TcTiling(2, 16, 2))
-    prev = _sources.set_tc_tiling(_sources.TC_TILINGS[-1])
+        config.set_config(tc_tiling=config.TcTiling(2, 16, 2))
+    prev = config.set_config(tc_tiling=config.TC_TILINGS[-1])
     try:
-        assert _sources.get_tc_tiling() == _sources.TC_TILINGS[-1]
+        assert config.get_config().tc_tiling == config.TC_TILINGS[-1]
     finally:
-        _sources.set_tc_tiling(prev)
+        config.set_config(config=prev)
 
 
 def test_header_defaults_match_tile_config_defaults():
@@ -126,31 +127,31 @@ def test_header_defaults_match_tile_config_defaults():
     so a compile without options and the Python side agree."""
     import re
 
-    text = (_sources.SOURCE_DIR / "decode_common.cuh").read_text()
+    text = (kernels.SOURCE_DIR / "decode_common.cuh").read_text()
     got = {m.group(1): int(m.group(2)) for m in re.finditer(r"#define STOCHATTN_(\w+) (\d+)", text)}
-    d = _sources.TileConfig()
+    d = config.TileConfig()
     assert got == {"THREADS": d.threads, "STAGE_BYTES": d.stage_bytes, "STAGES": d.stages,
                    "REDUCE": {"butterfly": 0, "scatter": 1}[d.reduce]}
 
 
 def test_set_config_round_trip():
-    prev = _sources.set_config(_OTHER_CONFIG)
+    prev = config.set_config(tiling=_OTHER_CONFIG)
     try:
-        assert _sources.get_config() is _OTHER_CONFIG
+        assert config.get_config().tiling is _OTHER_CONFIG
     finally:
-        _sources.set_config(prev)
-    assert _sources.get_config() is prev
+        config.set_config(config=prev)
+    assert config.get_config() is prev
     with pytest.raises(TypeError, match="TileConfig"):
-        _sources.set_config((16384, 3, 256, "scatter"))
+        config.set_config(tiling=(16384, 3, 256, "scatter"))
 
 
 @pytest.mark.parametrize("backend", _backend_params())
 def test_syntax_error_fails(backend):
     """The check is not vacuous: a broken kernel (missing semicolon) fails the same helper."""
-    code = _sources.source_text("exact_decode") + (
+    code = kernels.source_text("exact_decode") + (
         "\ntemplate <typename T> __global__ void broken(T* x) { x[0] = T() }\n"
     )
-    result = _sources.compile_check(code, ["broken<float>"], backend=backend)
+    result = build_check.compile_check(code, ["broken<float>"], backend=backend)
     assert not result.ok
     assert "error" in result.log.lower()
 
@@ -158,21 +159,21 @@ def test_syntax_error_fails(backend):
 @pytest.mark.parametrize("backend", _backend_params())
 def test_missing_instantiation_fails(backend):
     """A name expression the source cannot instantiate (head_dim 96) is an error."""
-    result = _sources.compile_check(_sources.source_text("exact_decode"),
-                                    ["exact_decode_chunk<stochattn::f16, 96, 4>"], backend=backend)
+    result = build_check.compile_check(kernels.source_text("exact_decode"),
+                                       ["exact_decode_chunk<stochattn::f16, 96, 4>"], backend=backend)
     assert not result.ok
 
 
 def test_group_max():
-    assert [_sources.group_max(g) for g in range(1, 9)] == [4, 4, 4, 4, 8, 8, 8, 8]
+    assert [kernels.group_max(g) for g in range(1, 9)] == [4, 4, 4, 4, 8, 8, 8, 8]
     with pytest.raises(ValueError, match="<= 8"):
-        _sources.group_max(9)
+        kernels.group_max(9)
 
 
 def test_sources_need_no_cuda_headers():
     """Only local headers are included, so a bare NVRTC compiles them."""
-    for family in _sources.FAMILIES:
-        text = _sources.source_text(family)
+    for family in kernels.FAMILIES:
+        text = kernels.source_text(family)
         assert "#include" not in text, family
 
 
@@ -217,7 +218,7 @@ def _host_build(tmp_path_factory, name, source):
     d = tmp_path_factory.mktemp(name)
     (d / "harness.cpp").write_text(source)
     exe = d / "harness"
-    subprocess.run([cxx, "-O1", "-std=c++17", f"-I{_sources.SOURCE_DIR}", "-DSTOCHATTN_HD=inline",
+    subprocess.run([cxx, "-O1", "-std=c++17", f"-I{kernels.SOURCE_DIR}", "-DSTOCHATTN_HD=inline",
                     "-D__host__=", "-D__device__=", "-D__forceinline__=",
                     str(d / "harness.cpp"), "-o", str(exe)], check=True, capture_output=True)
     return str(exe)
@@ -348,13 +349,13 @@ def test_compile_check_returns_the_cubin(backend):
     """``cubin=True`` hands back the machine code (an ELF image) with exactly the options
     given; a failed compile hands back none."""
     names = ["exact_decode_merge<stochattn::f16>"]
-    opts = _sources.get_config().options() + ("-Xptxas=-v",)
-    result = _sources.compile_check(_sources.source_text("exact_decode"), names,
-                                    backend=backend, options=opts, cubin=True)
+    opts = config.get_config().tiling.options() + ("-Xptxas=-v",)
+    result = build_check.compile_check(kernels.source_text("exact_decode"), names,
+                                       backend=backend, options=opts, cubin=True)
     assert result.ok, result.log
     assert result.cubin[:4] == b"\x7fELF"
     assert "registers" in result.log  # the -Xptxas=-v given reached ptxas
-    bad = _sources.compile_check("__global__ void k() { x; }", ["k"], backend=backend, cubin=True)
+    bad = build_check.compile_check("__global__ void k() { x; }", ["k"], backend=backend, cubin=True)
     assert not bad.ok and bad.cubin is None
 
 
@@ -363,7 +364,7 @@ def test_bench_read_floor_kernel_compiles(backend):
     """tools/read_floor.py's read-only kernel compiles for sm_90 (it runs only on the GPU)."""
     from tools.read_floor import _SOURCE
 
-    result = _sources.compile_check(_SOURCE, ["read_only"], backend=backend, options=("-std=c++17",))
+    result = build_check.compile_check(_SOURCE, ["read_only"], backend=backend, options=("-std=c++17",))
     assert result.ok, result.log
 
 
@@ -375,7 +376,7 @@ def test_every_kernel_starts_with_the_pdl_entry():
     before the kernel before it has finished: it must wait (STOCHATTN_PDL_ENTRY) before it
     reads or writes anything. So every kernel's body starts with the entry."""
     found = 0
-    for path in sorted(glob.glob(os.path.join(os.path.dirname(_sources.__file__), "*.cu*"))):
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(kernels.__file__), "*.cu*"))):
         text = open(path).read()
         for m in _GLOBAL.finditer(text):
             body = text[m.end():].lstrip()
@@ -421,16 +422,16 @@ def test_pdl_wait_check_finds_an_early_load():
 
 
 @pytest.mark.parametrize("backend", _BACKENDS[:1] or _backend_params())
-@pytest.mark.parametrize("family", sorted(_sources.FAMILIES))
+@pytest.mark.parametrize("family", sorted(kernels.FAMILIES))
 def test_pdl_wait_precedes_every_global_access(family, backend):
     """In the PTX of every kernel built with PDL, griddepcontrol.wait comes before any
     access that may touch global memory (the compiler does not hoist loads above it; the
     machine code was checked the same way by hand, 2026-12-05: ACQBULK first)."""
     import dataclasses
 
-    cfg = dataclasses.replace(_sources.get_config(), pdl=True)
-    result = _sources.compile_check(_sources.source_text(family), _sources.name_expressions(family),
-                                    backend=backend, config=cfg, ptx=True)
+    cfg = dataclasses.replace(config.get_config().tiling, pdl=True)
+    result = build_check.compile_check(kernels.source_text(family), kernels.name_expressions(family),
+                                       backend=backend, config=cfg, ptx=True)
     assert result.ok, result.log
     assert result.ptx.count(".entry") >= 1
     assert first_memory_access_before_wait(result.ptx) == []

@@ -153,8 +153,8 @@ def _words_kernel(seed_lo, seed_hi, rows, draws, out):
     i = cuda.grid(1)
     if i < out.size:
         word2 = np.uint64(PURPOSE_KMEANS_INIT << 28) | np.uint64(rows[i])
-        out[i] = km._philox_x0(np.uint64(draws[i]), np.uint64(0), word2, np.uint64(0),
-                               seed_lo, seed_hi)
+        out[i] = kk.philox_x0(np.uint64(draws[i]), np.uint64(0), word2, np.uint64(0),
+                              seed_lo, seed_hi)
 
 
 @pytest.mark.parametrize("seed", [0, 12345, 2**32 + 7, 2**64 - 1])
@@ -471,7 +471,7 @@ def test_gemm_path_in_chunks_with_multithread_blocks(monkeypatch):
     kw = dict(n_clusters=5, iterations=2, n_sink=2, window=3, seed=8, tol=0.0)
     scan = kmeans_gpu(k, v, lens, method="scan", **kw)
     monkeypatch.setattr(km, "GEMM_SCRATCH_BYTES", 3 * 2 * 2 * 8)  # 3 rows of H = 2, Cp = 8
-    if km._SIM:
+    if kk.SIM:
         monkeypatch.setattr(kk, "LANES", 4)
         monkeypatch.setattr(kk, "SCAN_TPB", 4)
         monkeypatch.setattr(kk, "DIM_TPB", 4)
@@ -520,7 +520,7 @@ def test_gemm_path_launch_geometries(name, geometry, monkeypatch):
         _SCAN_CACHE[name] = kmeans_gpu(k, v, lens, method="scan", seed=4, **kw)
     scan = _SCAN_CACHE[name]
     monkeypatch.setattr(km, "GEMM_SCRATCH_BYTES", 2 * 2 * 40 * 23)  # 23-row chunks at C = 37
-    if km._SIM:
+    if kk.SIM:
         for attr, value in SIM_GEOMETRIES[geometry].items():
             monkeypatch.setattr(kk, attr, value)
     gemm = kmeans_gpu(k, v, lens, method="gemm", seed=4, **kw)

@@ -1,4 +1,4 @@
-"""stochattn.cuda._numba_launch.Bound: a Numba launch prepared once gives what the plain
+"""stochattn.cuda.kmeans.launch.Bound: a Numba launch prepared once gives what the plain
 launch gives, with its mutable scalars replaced and its rebound arrays swapped at each
 call. Under the CUDA simulator (no GPU) Bound takes the plain launch; on a GPU it hands the
 prepared arguments to the launch call Numba itself makes (a rebound array: only its data

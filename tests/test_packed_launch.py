@@ -1,6 +1,6 @@
-"""stochattn.cuda._module.Packed without a GPU: the argument buffer (8-byte slots, each
+"""stochattn.cuda.runtime.launch.Packed without a GPU: the argument buffer (8-byte slots, each
 value's bits in the low bytes), the fallback call through the Launcher, and the
-programmatic-dependent-launch path (stochattn.cuda._pdl: the driver structures' layout and
+programmatic-dependent-launch path (stochattn.cuda.runtime.pdl: the driver structures' layout and
 what cuLaunchKernelEx is handed)."""
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def test_driver_path_writes_the_slots_and_launches_once(monkeypatch):
     assert np.array([p.vals[2]], dtype=np.uint64).view(np.float64)[0] == 0.25
 
 
-# ---- programmatic dependent launch (stochattn.cuda._pdl) ----
+# ---- programmatic dependent launch (stochattn.cuda.runtime.pdl) ----
 
 def test_pdl_structures_have_the_layout_of_cuda_h():
     """Offsets and sizes of CUlaunchAttribute and CUlaunchConfig (cuda.h, CUDA 12 and 13):

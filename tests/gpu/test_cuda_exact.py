@@ -14,7 +14,7 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from stochattn.cuda import kernels as _sources  # noqa: E402
+from stochattn.cuda import config  # noqa: E402
 from stochattn.cuda.exact import KERNELS, exact_decode  # noqa: E402
 from stochattn.reference.exact import exact_attention as ref_exact  # noqa: E402
 
@@ -66,17 +66,17 @@ def test_exact_seq_lens_and_chunks(dtype, num_chunks, kernel):
     np.testing.assert_array_equal(got[0], 0.0)
 
 
-@pytest.mark.parametrize("tiling", _sources.TC_TILINGS, ids=lambda t: t.label().replace(" ", "-"))
+@pytest.mark.parametrize("tiling", config.TC_TILINGS, ids=lambda t: t.label().replace(" ", "-"))
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_exact_tc_tilings(dtype, tiling):
     """Every compiled tensor-core tiling (tools/tune_exact_tc.py times them): ragged lengths
     that end mid-tile, several chunks, head dims 128 and 64."""
-    prev = _sources.set_tc_tiling(tiling)
+    prev = config.set_config(tc_tiling=tiling)
     try:
         _check(dtype, 3, 2, 4, 1000, 128, [1000, 333, 0], seed=17, num_chunks=3, kernel="tc")
         _check(dtype, 2, 1, 6, 517, 64, [1, 517], seed=18, kernel="tc")
     finally:
-        _sources.set_tc_tiling(prev)
+        config.set_config(config=prev)
 
 
 @kernels
@@ -85,8 +85,6 @@ def test_exact_in_kernel_merge_equals_merge_launch(dtype, kernel, monkeypatch):
     """The merge by the last CTA of each group inside the chunk launch gives the two-launch
     result bit for bit: empty and one-token sequences, G = 1, 3, 4, 8, D 64 and 128, 3 to
     64 chunks, and repeated calls with other lengths (the counters reset themselves)."""
-    from stochattn.cuda.runtime import launch as _module
-
     cases = [(4, 2, 4, 700, 128, 3), (3, 1, 8, 1999, 64, 64), (2, 3, 1, 257, 128, None),
              (2, 2, 3, 1000, 128, 17)]
     for B, Hkv, G, N, D, chunks in cases:
@@ -96,9 +94,10 @@ def test_exact_in_kernel_merge_equals_merge_launch(dtype, kernel, monkeypatch):
             lens_arr = None if lens is None else np.asarray(lens, dtype=np.int32)
             got = {}
             for flag in (True, False, True):
-                monkeypatch.setattr(_module, "MERGE_IN_KERNEL", flag)
-                got.setdefault(flag, []).append(
-                    to_host64(exact_decode(qd, kd, vd, lens_arr, num_chunks=chunks, kernel=kernel)))
+                with config.using_config(merge_in_kernel=flag):
+                    got.setdefault(flag, []).append(
+                        to_host64(exact_decode(qd, kd, vd, lens_arr, num_chunks=chunks,
+                                               kernel=kernel)))
             for a in got[True]:
                 np.testing.assert_array_equal(a, got[False][0])
 

@@ -27,7 +27,7 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from stochattn.cuda import kernels as _sources  # noqa: E402
+from stochattn.cuda import config  # noqa: E402
 from stochattn.cuda import flash as flash_mod  # noqa: E402
 from stochattn.cuda.flash import flash_diagnostics, santa_flash  # noqa: E402
 from stochattn.reference import santa as ref_santa  # noqa: E402
@@ -231,7 +231,7 @@ def test_flash_matches_flash_estimate(dtype, sampler):
     assert err <= 2 * err_naive + 1e-5, f"kernel error {err:.3g} vs naive {err_naive:.3g}"
 
 
-@pytest.mark.parametrize("tiling", _sources.FLASH_TC_TILINGS, ids=lambda t: t.label())
+@pytest.mark.parametrize("tiling", config.FLASH_TC_TILINGS, ids=lambda t: t.label())
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("D,G,tile_size", [(128, 4, 64), (64, 8, 32), (128, 3, 256)])
 def test_flash_tc_equals_simt(kernel, tiling, dtype, D, G, tile_size):
@@ -247,7 +247,7 @@ def test_flash_tc_equals_simt(kernel, tiling, dtype, D, G, tile_size):
     qd, kd, vd = (to_device(a, dtype) for a in (q, k, v))
     lens = np.asarray([N, 2345], dtype=np.int32)
     res = {}
-    prev = _sources.set_flash_tc_tiling(tiling)
+    prev = config.set_config(flash_tc_tiling=tiling)
     try:
         for kern in flash_mod.KERNELS:
             out, idx, st = santa_flash(qd, kd, vd, lens, budget=700, tile_size=tile_size,
@@ -255,7 +255,7 @@ def test_flash_tc_equals_simt(kernel, tiling, dtype, D, G, tile_size):
                                        kernel=kern)
             res[kern] = (to_host64(out), to_host(idx), [to_host(a) for a in st])
     finally:
-        _sources.set_flash_tc_tiling(prev)
+        config.set_config(config=prev)
     (o_s, j_s, st_s), (o_t, j_t, st_t) = res["simt"], res["tc"]
     assert (j_s == j_t).mean() >= 0.999
     np.testing.assert_array_equal(st_s[2], st_t[2])  # S_t
@@ -287,17 +287,15 @@ def test_flash_in_kernel_merge_equals_merge_launch(dtype, monkeypatch):
     """The chunk merge by each group's last CTA inside the flash launch gives the
     two-launch result bit for bit (empty and one-token sequences, G = 3 and 8, forced and
     default chunk counts), call after call (the arrival counters reset themselves)."""
-    from stochattn.cuda.runtime import launch as _module
-
     for B, Hkv, G, N, D, chunks in [(4, 2, 3, 3000, 128, 7), (2, 1, 8, 1999, 64, None)]:
         q, k, v = peaked_inputs(B, Hkv, G, N, D, seed=G)
         qd, kd, vd = (to_device(a, dtype) for a in (q, k, v))
         lens = np.asarray([0, 1, N, N // 3][:B], dtype=np.int32)
         got = {}
         for flag in (True, False, True):
-            monkeypatch.setattr(_module, "MERGE_IN_KERNEL", flag)
-            got.setdefault(flag, []).append(to_host64(santa_flash(
-                qd, kd, vd, lens, budget=300, seed=5, num_chunks=chunks)))
+            with config.using_config(merge_in_kernel=flag):
+                got.setdefault(flag, []).append(to_host64(santa_flash(
+                    qd, kd, vd, lens, budget=300, seed=5, num_chunks=chunks)))
         for a in got[True]:
             np.testing.assert_array_equal(a, got[False][0])
 

@@ -176,7 +176,7 @@ def test_bfloat16_torch_output_dtype_and_values():
 
 def test_packed_launches_go_straight_to_the_driver():
     """The hot-path launches of exact_decode and santa_prop use the packed driver call
-    (stochattn.cuda._module.Packed), not the fallback through CuPy's Function call."""
+    (stochattn.cuda.runtime.launch.Packed), not the fallback through CuPy's Function call."""
     from stochattn.cuda.runtime import launch as _module
 
     _inputs.clear_plan_cache()

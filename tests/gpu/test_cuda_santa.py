@@ -18,7 +18,7 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from stochattn.cuda import kernels as _sources  # noqa: E402
+from stochattn.cuda import config  # noqa: E402
 from stochattn.cuda.santa import KERNELS, santa_prop  # noqa: E402
 from stochattn.reference import santa as ref_santa  # noqa: E402
 from stochattn.reference.common import lengths, logits  # noqa: E402
@@ -119,18 +119,18 @@ def test_prop_deterministic_and_offset_changes_draws():
     assert not bool((a[1] == c[1]).all()), "a new offset must give new draws"
 
 
-@pytest.mark.parametrize("tiling", _sources.PROP_TC_TILINGS[1:], ids=lambda t: t.label())
+@pytest.mark.parametrize("tiling", config.PROP_TC_TILINGS[1:], ids=lambda t: t.label())
 @pytest.mark.parametrize("tile_size", [32, 256])
 def test_prop_tc_tilings_match_reference(tiling, tile_size):
     """The non-default tensor-core tilings (tuning) on odd lengths and forced chunks."""
-    prev = _sources.set_prop_tc_tiling(tiling)
+    prev = config.set_config(prop_tc_tiling=tiling)
     try:
         lens = [0, 1, 37, 1517]
         q64, k64, v64, lens_arr, got, J, J_ref = _run("bfloat16", 4, 2, 4, 1517, 128, 300, "iid",
                                                       tile_size, lens, seed=7, num_chunks=3,
                                                       kernel="tc")
     finally:
-        _sources.set_prop_tc_tiling(prev)
+        config.set_config(config=prev)
     _assert_indices_and_output("bfloat16", v64, lens_arr, got, J, J_ref, 8)
 
 

@@ -13,15 +13,13 @@ cuLaunchKernelEx, so that it cannot pass with PDL silently off.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from stochattn.cuda import kernels as _sources  # noqa: E402
-from stochattn.cuda.runtime import launch as _module, pdl as _pdl  # noqa: E402
+from stochattn.cuda import config  # noqa: E402
+from stochattn.cuda.runtime import pdl as _pdl  # noqa: E402
 from stochattn.cuda.doublep import doublep_decode  # noqa: E402
 from stochattn.cuda.exact import exact_decode  # noqa: E402
 from stochattn.cuda.flash import santa_flash  # noqa: E402
@@ -40,7 +38,6 @@ def pdl_config(monkeypatch):
     """Yields a function that runs its argument with PDL off, then on, and returns both
     results; with PDL on at least ``min_dependent`` launches must have been dependent
     ones (cuLaunchKernelEx with the attribute), with it off none."""
-    base = _sources.get_config()
     count = [0]
     call = _pdl.PdlLaunch.__call__
 
@@ -53,12 +50,12 @@ def pdl_config(monkeypatch):
     def both(fn, min_dependent=1):
         res = []
         for pdl in (False, True):
-            prev = _sources.set_config(dataclasses.replace(base, pdl=pdl))
+            prev = config.set_config(pdl=pdl)
             count[0] = 0
             try:
                 res.append(fn())
             finally:
-                _sources.set_config(prev)
+                config.set_config(config=prev)
             if pdl:
                 assert count[0] >= min_dependent, "PDL was asked for but no launch used it"
             else:
@@ -120,10 +117,10 @@ def test_prop_bernoulli_chain_is_unchanged_by_pdl(pdl_config):
 @pytest.mark.parametrize("fn", [exact_decode, lambda *a, **kw: santa_flash(*a, budget=300, **kw)],
                          ids=["exact", "flash"])
 def test_merge_launch_is_unchanged_by_pdl(pdl_config, monkeypatch, fn):
-    monkeypatch.setattr(_module, "MERGE_IN_KERNEL", False)
     inputs = _two_inputs(G=3)
-    off, on = pdl_config(lambda: _repeat(lambda q, k, v, lens: fn(q, k, v, lens, num_chunks=7),
-                                         inputs), min_dependent=REPEATS)
+    with config.using_config(merge_in_kernel=False):
+        off, on = pdl_config(lambda: _repeat(lambda q, k, v, lens: fn(q, k, v, lens, num_chunks=7),
+                                             inputs), min_dependent=REPEATS)
     _assert_all_equal(off, on)
 
 
@@ -148,7 +145,7 @@ def test_prop_with_pdl_under_cuda_graph_capture(pdl_config):
     q, k, v = (torch.as_tensor(a, device="cuda").half() for a in (qn, kn, vn))
 
     def run():
-        if not _sources.get_config().pdl:
+        if not config.get_config().pdl:
             return santa_prop(q, k, v, budget=256, seed=4).cpu()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
