@@ -136,13 +136,3 @@ def name_expressions(family: str, dtypes=None) -> list:
         names += [k("doublep_rows").expr(GMAX=gm, SAMPLE=flag) for gm in GROUP_MAXES
                   for flag in (False, True)]
     return names
-
-
-def __getattr__(name):  # deprecated names of the old stochattn.cuda._sources (tests, tools)
-    import importlib
-
-    _compat = importlib.import_module("stochattn.cuda._compat")
-    try:
-        return _compat.sources_attr(name)
-    except AttributeError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

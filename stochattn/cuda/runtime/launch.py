@@ -36,11 +36,6 @@ def gpu_config(config=None) -> "_config.GpuConfig":
     return config
 
 
-def limit_dtypes(dtypes=None):
-    """Deprecated: ``config.set_config(dtypes=...)``."""
-    _config.set_config(dtypes=None if dtypes is None else tuple(dtypes))
-
-
 def _module(family: str, config=None):
     import cupy
 
@@ -420,19 +415,3 @@ def split_tokens(family: str, name: str, smem: int, config, units: int, tokens: 
         return choose_chunks(units, tokens, align, slots)
     chunk_len = math.ceil(math.ceil(tokens / num_chunks) / align) * align
     return math.ceil(tokens / chunk_len), chunk_len
-
-
-class _DeprecatedGlobals(type(__import__("sys"))):
-    """``MERGE_IN_KERNEL``: a deprecated spelling of ``config.get_config().merge_in_kernel``
-    (reads and writes the process default), kept for tests and tools that set it."""
-
-    @property
-    def MERGE_IN_KERNEL(self):  # noqa: N802 - the old global's name
-        return _config.get_config().merge_in_kernel
-
-    @MERGE_IN_KERNEL.setter
-    def MERGE_IN_KERNEL(self, value):  # noqa: N802
-        _config.set_config(merge_in_kernel=bool(value))
-
-
-__import__("sys").modules[__name__].__class__ = _DeprecatedGlobals
