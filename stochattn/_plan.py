@@ -265,26 +265,33 @@ def take_seed_offset(call: dict) -> tuple:
 
 def check_stream_arrays(backend: str, seed, offset, batch: int, advance_offset: bool) -> None:
     """The per-call forms of ``seed`` and ``offset`` (SPEC section 7), once the batch is
-    known. The reference takes NumPy integer arrays of shape () or (B,) (sequence ``b``
-    draws with ``seed[b]``, ``offset[b]``); with ``advance_offset`` the offset must be such
-    an array, which the call advances by 1 in place when it is done. The CUDA kernels take
-    host integers for now: device-side seeds and offsets are the next step of issue
-    "Serving-grade decode"."""
-    arrays = [(n, x) for n, x in (("seed", seed), ("offset", offset)) if not isinstance(x, int)]
-    if advance_offset and isinstance(offset, int):
-        raise TypeError("`advance_offset=True` needs `offset` as an integer array (it is advanced "
-                        "in place), got an int")
-    if backend == "cuda" and arrays:
-        raise NotImplementedError(
-            f"`{arrays[0][0]}` as an array (per-sequence or read at run time) is not on the GPU "
-            "kernels yet; pass an int")
-    for name, x in arrays:
-        val.check_per_sequence(name, x, batch)
+    known: ints, or integer arrays of shape () or (B,) (sequence ``b`` draws with
+    ``seed[b]``, ``offset[b]``). The reference takes NumPy arrays; the CUDA kernels take GPU
+    arrays of the inputs' framework, which they read at run time (their attributes are
+    checked by :func:`stochattn.cuda.runtime.inputs.stream_args`, no value is read). With
+    ``advance_offset`` the offset must be such an array, which the call advances by 1 in
+    place (on the device for the GPU) when it is done."""
+    if advance_offset and (isinstance(offset, int)
+                           or (backend == "cuda" and isinstance(offset, np.ndarray))):
+        where = "a GPU integer array (advanced in place on the device)" if backend == "cuda" \
+            else "an integer array (it is advanced in place)"
+        raise TypeError(f"`advance_offset=True` needs `offset` as {where}, got "
+                        f"{'an int' if isinstance(offset, int) else 'a NumPy array'}")
+    for name, x in (("seed", seed), ("offset", offset)):
+        if isinstance(x, np.ndarray):
+            val.check_per_sequence(name, x, batch)
 
 
 def advance(offset) -> None:
-    """``offset += 1`` in place, modulo 2**32 (the plan option ``advance_offset``)."""
-    offset[...] = (offset.astype(np.uint64) + np.uint64(1)) % np.uint64(2**32)
+    """``offset += 1`` in place, modulo 2**32 (the plan option ``advance_offset``): on the
+    host for a NumPy array, on the device (the caller's current stream, after the call's
+    kernels, so a captured CUDA graph advances it on every replay) for a GPU array."""
+    if isinstance(offset, np.ndarray):
+        offset[...] = (offset.astype(np.uint64) + np.uint64(1)) % np.uint64(2**32)
+        return
+    from .cuda.runtime.inputs import advance_offset
+
+    advance_offset(offset)
 
 
 def renamed(function: str, deprecated: dict, renames: dict, values: dict,

@@ -270,12 +270,18 @@ def test_stream_arrays_are_checked(kwargs, error, match):
         stochattn.santa_attention(q, k, v, lens, budget=4, **kwargs)
 
 
-def test_the_gpu_path_says_stream_arrays_are_not_there_yet():
+def test_gpu_stream_words_are_checked_without_a_gpu():
+    """The GPU path takes ints and GPU arrays; a per-sequence NumPy array is refused (it would
+    be copied to the device on every call), and advance_offset needs a GPU array."""
     from stochattn._plan import check_stream_arrays
+    from stochattn.cuda.runtime.inputs import check_stream_words
 
-    with pytest.raises(NotImplementedError, match=r"`offset` as an array .* is not on the GPU "
-                                                   r"kernels yet; pass an int"):
-        check_stream_arrays("cuda", 0, np.array([1, 2]), 2, False)
+    assert check_stream_words(3, np.array(7)) == (3, 7)
+    with pytest.raises(TypeError, match=r"`offset` as a per-sequence array must live on the GPU"):
+        check_stream_words(0, np.array([1, 2]))
+    with pytest.raises(TypeError, match=r"`advance_offset=True` needs `offset` as a GPU integer "
+                                        r"array .*, got a NumPy array"):
+        check_stream_arrays("cuda", 0, np.array([1, 2]), 2, True)
     check_stream_arrays("cuda", 0, 5, 2, False)  # ints: fine
 
 

@@ -42,7 +42,7 @@ def bernoulli_scores_gpu(q, k, seq_lens=None, *, draws=4, group_shared=False, se
     feature_fraction : GPU array of float32, shape (B, Hq)
         Fraction of the D features each head reads.
     """
-    seed, offset = val.check_seed_offset(seed, offset)
+    seed, offset = inputs.check_stream_words(seed, offset)
     draws = check_draws("draws", draws)
     group_shared = val.check_bool("group_shared", group_shared)
     inp = inputs.gather(q, k, k)
@@ -59,6 +59,7 @@ def bernoulli_scores_gpu(q, k, seq_lens=None, *, draws=4, group_shared=False, se
     with inputs.device_scope(device):
         qp, kp, _, lens, _keep, stream = inputs.launch_args(inp, seq_lens, check_seq_lens, s,
                                                              device)
+        rs, _keep_rs = inputs.stream_args(inp, seed, offset, s.batch, device)
         qhat = ops.empty(inp.q, (s.batch * s.q_heads * s.head_dim,), "float32")
         feat = ops.empty(inp.q, (s.batch * s.kv_heads * s.head_dim,), "int32")
         nfeat = ops.empty(inp.q, (s.batch * s.kv_heads,), "int32")
@@ -72,8 +73,8 @@ def bernoulli_scores_gpu(q, k, seq_lens=None, *, draws=4, group_shared=False, se
             (s.kv_heads, s.batch), (_QHAT_THREADS,),
             qhat_k.args_of(q=qp, qhat=ptr["qhat"], feat=ptr["feat"], nfeat=ptr["nfeat"],
                            frac=ops.ptr(frac), Hkv=s.kv_heads, G=s.group, D=s.head_dim,
-                           draws=draws, group_shared=group_shared, scale=1.0, seed=seed,
-                           offset=offset), stream)
+                           draws=draws, group_shared=group_shared, scale=1.0,
+                           **rs._asdict()), stream)
         if k_feature_major is None:
             logits_k = abi.kernel(_FAMILY, "santa_prop_logits")
             name = logits_k.expr(T=ctype, D=s.head_dim, GMAX=gm, QHAT=True)

@@ -121,7 +121,7 @@ def doublep_decode(q, k, v, index, *, p1=1.0, p2=1.0, clusters=None, budget=None
     if budget is not None:
         sample = _Sample(inputs.check_gpu_budget(budget),
                          val.check_choice("sampler", sampler, SAMPLERS), _SAMPLE_TILE)
-        seed, offset = val.check_seed_offset(seed, offset)
+        seed, offset = inputs.check_stream_words(seed, offset)
     inp = inputs.gather(q, k, v)
     ix = _IndexArrays.of(index)
     cfg = get_config(inp.device)
@@ -131,7 +131,7 @@ def doublep_decode(q, k, v, index, *, p1=1.0, p2=1.0, clusters=None, budget=None
         key, lambda: _DoublePPlan(inp, ix, centroid, softmax_scale, num_chunks, cfg, sample))
     return plan.run(inp, ix, int(index.n_sink), float(p1), float(p2),
                     0 if clusters is None else int(clusters), bool(return_diagnostics),
-                    (int(seed), int(offset)), bool(return_indices))
+                    (seed, offset), bool(return_indices))
 
 
 class _Sample(NamedTuple):
@@ -393,8 +393,9 @@ class _DoublePPlan:
             if sample is not None:
                 self.tiles(stream, stash, lens32, tile_m, tile_l)
                 idxp = 0 if indices is None else ops.ptr(indices)
+                rs, _keep_rs = inputs.stream_args(inp, rng[0], rng[1], s.batch, self.device)
                 self.sample(stream, vp, lens32, stash, tile_m, tile_l, cdf, iid, idx32, idxp, outp,
-                            rng[0], rng[1], po, pml)
+                            *rs, po, pml)
             if self.merge is not None:
                 self.merge(stream, po, pml, outp)
             res = (out,) + ((indices,) if return_indices else ())

@@ -30,7 +30,8 @@ DEFAULT_KERNEL = "simt"
 # The chunk kernels' per-call arguments (santa_flash_chunk and santa_flash_tc_chunk take
 # the same arguments).
 _CHUNK_VARIABLE = ("q", "k", "v", "seq_lens", "out", "part_o", "part_ml", "counters", "idx_out",
-                   "tile_m_out", "tile_l_out", "samples_out", "seed", "offset")
+                   "tile_m_out", "tile_l_out", "samples_out", "seed", "offset", "seed_ptr",
+                   "offset_ptr", "streams")
 # At most G * S_t <= 8 * 2**27 draws per tile share one int32 counter (santa_flash.cu).
 FLASH_MAX_BUDGET = 2**27
 # Powers of two from 32 up to flash_tile.cuh's kFlashMaxTile.
@@ -138,7 +139,7 @@ def santa_flash(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_si
     >>> santa_flash(q, k, k, budget=2048, seed=1).shape
     (1, 32, 128)
     """
-    seed, offset = val.check_seed_offset(seed, offset)
+    seed, offset = inputs.check_stream_words(seed, offset)
     want_idx = val.check_bool("return_indices", return_indices)
     want_stats = val.check_bool("return_tile_stats", return_tile_stats)
     kernel = _check_kernel(DEFAULT_KERNEL if kernel is None else kernel)
@@ -235,9 +236,10 @@ class _FlashPlan(launch.SplitKVPlan):
                                        ops.empty(like, (s.batch,), "int32"))
             ptrs = (ops.ptr(indices) if want_idx else 0,) + (
                 tuple(ops.ptr(a) for a in stats) if want_stats else (0, 0, 0))
-            return (indices, stats), ptrs + (seed, offset)
+            rs, keep = inputs.stream_args(inp, seed, offset, s.batch, self.device)
+            return (indices, stats, keep), ptrs + tuple(rs)
 
-        out, (indices, stats) = self.launch(inp, seq_lens, check_seq_lens, outputs)
+        out, (indices, stats, _keep) = self.launch(inp, seq_lens, check_seq_lens, outputs)
         if not (want_idx or want_stats):
             return out
         return (out,) + ((indices,) if want_idx else ()) + ((stats,) if want_stats else ())

@@ -35,7 +35,7 @@ _LOGITS_VARIABLE = ("qv", "k", "seq_lens", "logits")
 _LOGITS_TC_VARIABLE = ("q", "k", "seq_lens", "logits", "tile_m", "tile_l")
 _TILES_VARIABLE = ("logits", "seq_lens", "tile_m", "tile_l")
 SAMPLE_VARIABLE = ("v", "seq_lens", "logits", "tile_m", "tile_l", "C", "iid_points", "idx32",
-                   "idx_out", "out", "seed", "offset")
+                   "idx_out", "out", "seed", "offset", "seed_ptr", "offset_ptr", "streams")
 TILE_SIZES = (32, 64, 128, 256)
 # Pass 1 with exact scores: "simt" (santa_prop_logits on the CUDA cores, then the
 # santa_prop_tiles launch) or "tc" (santa_prop_logits_tc: mma.sync, tile statistics in the
@@ -125,7 +125,7 @@ def santa_prop(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_siz
     >>> santa_prop(q, k, k, budget=256, seed=1).shape
     (1, 32, 128)
     """
-    seed, offset = val.check_seed_offset(seed, offset)
+    seed, offset = inputs.check_stream_words(seed, offset)
     inp = inputs.gather(q, k, v)
     kfm_meta = None
     if k_feature_major is not None:
@@ -317,6 +317,7 @@ class _PropPlan:
         with inputs.device_scope(self.device):
             qp, kp, vp, lens, _keep, stream = inputs.launch_args(inp, seq_lens, check_seq_lens, s,
                                                                   self.device)
+            rs, _keep_rs = inputs.stream_args(inp, seed, offset, s.batch, self.device)
             scratch = ops.empty(inp.q, (self.scratch_bytes,), "uint8")
             base = ops.ptr(scratch)
             logits, tile_m, tile_l, C, iid, idx32, qhat, feat, nfeat, frac_slot = (
@@ -335,7 +336,7 @@ class _PropPlan:
                 self.qhat((s.kv_heads, s.batch), (_QHAT_THREADS,), self.qhat_decl.args_of(
                     q=qp, qhat=qhat, feat=feat, nfeat=nfeat, frac=fracp, Hkv=s.kv_heads,
                     G=s.group, D=s.head_dim, draws=score.draws, group_shared=score.group_shared,
-                    scale=self.scale, seed=seed, offset=offset), stream)
+                    scale=self.scale, **rs._asdict()), stream)
                 if kfm is None:
                     self.logits(stream, qhat, kp, lens, logits)
                 else:
@@ -346,8 +347,7 @@ class _PropPlan:
                         n_pad=self.n_pad), stream)
             if self.tiles is not None:
                 self.tiles(stream, logits, lens, tile_m, tile_l)
-            self.sample(stream, vp, lens, logits, tile_m, tile_l, C, iid, idx32, idxp, outp, seed,
-                        offset)
+            self.sample(stream, vp, lens, logits, tile_m, tile_l, C, iid, idx32, idxp, outp, *rs)
         res = (out,) + ((indices,) if return_indices else ()) + ((frac,) if frac is not None else ())
         return res if len(res) > 1 else out
 

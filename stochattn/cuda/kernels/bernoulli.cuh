@@ -62,9 +62,12 @@ __global__ void __launch_bounds__(kQhatThreads)
 bernoulli_qhat(const T* __restrict__ q, float* __restrict__ qhat, int* __restrict__ feat,
                int* __restrict__ nfeat, float* __restrict__ frac, int Hkv, int G, int D,
                int draws, int group_shared, float scale, unsigned long long seed,
-               unsigned offset) {
+               unsigned offset, const void* __restrict__ seed_ptr,
+               const void* __restrict__ offset_ptr, unsigned streams) {
   STOCHATTN_PDL_ENTRY();
   const int kvh = blockIdx.x, b = blockIdx.y;
+  seed = stream_seed(seed, seed_ptr, streams, b);
+  offset = stream_offset(offset, offset_ptr, streams, b);
   const int j = threadIdx.x;
   const bool active = j < D;
   const int Hq = Hkv * G;

@@ -55,6 +55,38 @@ STOCHATTN_HD PhiloxCounter philox4x32_10(PhiloxCounter c, unsigned k0, unsigned 
   return c;
 }
 
+// Seeds and offsets read on the device (SPEC section 7): a kernel that draws takes the host
+// values (seed, offset), the device pointers (seed_ptr, offset_ptr; null when unused) and
+// these flags, and reads sequence b's words with stream_seed / stream_offset after its PDL
+// entry (a previous launch may have just advanced the offset). A device word is one per
+// call (shape ()) or one per sequence (shape (B,)), 32 or 64 bits wide; a 64-bit offset
+// word uses its low 32 bits, a 32-bit seed word is zero-extended.
+enum StreamFlags {
+  STREAM_SEED_DEVICE = 1,
+  STREAM_SEED_PER_SEQ = 2,
+  STREAM_SEED_WIDE = 4,
+  STREAM_OFFSET_DEVICE = 8,
+  STREAM_OFFSET_PER_SEQ = 16,
+  STREAM_OFFSET_WIDE = 32
+};
+
+STOCHATTN_HD unsigned long long stream_seed(unsigned long long seed, const void* seed_ptr,
+                                                   unsigned flags, long long b) {
+  if (!(flags & STREAM_SEED_DEVICE)) return seed;
+  const long long i = (flags & STREAM_SEED_PER_SEQ) ? b : 0;
+  return (flags & STREAM_SEED_WIDE) ? static_cast<const unsigned long long*>(seed_ptr)[i]
+                                    : (unsigned long long)static_cast<const unsigned*>(seed_ptr)[i];
+}
+
+STOCHATTN_HD unsigned stream_offset(unsigned offset, const void* offset_ptr,
+                                           unsigned flags, long long b) {
+  if (!(flags & STREAM_OFFSET_DEVICE)) return offset;
+  const long long i = (flags & STREAM_OFFSET_PER_SEQ) ? b : 0;
+  return (flags & STREAM_OFFSET_WIDE)
+             ? (unsigned)static_cast<const unsigned long long*>(offset_ptr)[i]
+             : static_cast<const unsigned*>(offset_ptr)[i];
+}
+
 // One stream of the layout: a (seed, offset, purpose, row) tuple; draws are indexed by
 // (stream, draw).
 struct RngStream {

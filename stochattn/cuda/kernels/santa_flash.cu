@@ -69,8 +69,11 @@ santa_flash_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __r
                   float* __restrict__ tile_l_out, int* __restrict__ samples_out, int Hkv, int G,
                   long long N, long long chunk_len, int num_chunks, int tile_size,
                   long long n_tiles, long long idx_stride, int S, int sampler, float scale,
-                  unsigned long long seed, unsigned offset) {
+                  unsigned long long seed, unsigned offset, const void* __restrict__ seed_ptr,
+                  const void* __restrict__ offset_ptr, unsigned streams) {
   STOCHATTN_PDL_ENTRY();
+  seed = stream_seed(seed, seed_ptr, streams, blockIdx.z);  // sequence b = blockIdx.z
+  offset = stream_offset(offset, offset_ptr, streams, blockIdx.z);
   using W = WarpTiling<D>;
   constexpr int LPR = W::kLanesPerRow;
   constexpr int RPT = W::kRowsPerThread;

@@ -35,8 +35,11 @@ santa_flash_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      int* __restrict__ samples_out, int Hkv, int G, long long N,
                      long long chunk_len, int num_chunks, int tile_size, long long n_tiles,
                      long long idx_stride, int S, int sampler, float scale,
-                     unsigned long long seed, unsigned offset) {
+                     unsigned long long seed, unsigned offset, const void* __restrict__ seed_ptr,
+                     const void* __restrict__ offset_ptr, unsigned streams) {
   STOCHATTN_PDL_ENTRY();
+  seed = stream_seed(seed, seed_ptr, streams, blockIdx.z);  // sequence b = blockIdx.z
+  offset = stream_offset(offset, offset_ptr, streams, blockIdx.z);
   static_assert(GMAX <= 8, "the mma's M rows 0..7 hold at most 8 query heads");
   using Shape = tc::KPieces<D, ROWS, STAGES>;
   constexpr int THREADS = WARPS * 32;

@@ -407,7 +407,8 @@ santa_prop_sample(const T* __restrict__ v, const int* __restrict__ seq_lens,
                   long long* __restrict__ idx_out,
                   T* __restrict__ out, int Hq, int G, long long N, long long n_pad,
                   long long n_tiles, int tile_size, int S, int sampler,
-                  unsigned long long seed, unsigned offset, unsigned purpose,
+                  unsigned long long seed, unsigned offset, const void* __restrict__ seed_ptr,
+                  const void* __restrict__ offset_ptr, unsigned streams, unsigned purpose,
                   float* __restrict__ part_o, float* __restrict__ part_ml, int num_parts,
                   int part) {
   STOCHATTN_PDL_ENTRY();
@@ -421,6 +422,8 @@ santa_prop_sample(const T* __restrict__ v, const int* __restrict__ seq_lens,
   const long long row = blockIdx.x;  // b * Hq + h: also the random-stream row
   const int b = (int)(row / Hq), h = (int)(row % Hq);
   const int Hkv = Hq / G, kvh = h / G;
+  seed = stream_seed(seed, seed_ptr, streams, b);
+  offset = stream_offset(offset, offset_ptr, streams, b);
   const long long len = sequence_length(seq_lens, b, N);
   T* orow = out + row * D;
   int* ids = idx32 + row * S;

@@ -23,6 +23,7 @@ array would be copied to the device inside the graph once, at capture time.
 from __future__ import annotations
 
 import threading
+from typing import NamedTuple
 
 import numpy as np
 
@@ -31,7 +32,8 @@ from ..kernels import HEAD_DIMS, MAX_GROUP
 from .arrays import (CUPY, TORCH, ArrayMeta, host_values, launch_stream, ops_for, to_cupy,
                      to_host)
 
-__all__ = ["GPU_KERNEL_DTYPES", "Inputs", "gather", "cached_plan", "base_plan",
+__all__ = ["GPU_KERNEL_DTYPES", "Inputs", "gather", "cached_plan", "base_plan", "StreamArgs",
+           "HOST_STREAMS", "check_stream_words", "stream_args", "advance_offset",
            "seq_lens_pointer", "launch_args", "check_gpu_budget", "clear_plan_cache",
            "plan_cache_size", "device_scope"]
 
@@ -228,6 +230,109 @@ def _torch_int32():
     import torch
 
     return torch.int32
+
+
+class StreamArgs(NamedTuple):
+    """The random-stream arguments of a drawing kernel (kernels/philox.cuh, StreamFlags):
+    host values, device pointers (0 when unused) and the flags saying which to read."""
+
+    seed: int
+    offset: int
+    seed_ptr: int
+    offset_ptr: int
+    streams: int
+
+
+HOST_STREAMS = StreamArgs(0, 0, 0, 0, 0)
+_STREAM_FLAGS = {}  # StreamFlags of kernels/philox.cuh, read once from the source
+_WIDTHS = {"int32": False, "uint32": False, "int64": True, "uint64": True}
+
+
+def _stream_flags() -> dict:
+    if not _STREAM_FLAGS:
+        from ..kernels import abi
+
+        _STREAM_FLAGS.update(abi.enum("santa_prop", "StreamFlags"))
+    return _STREAM_FLAGS
+
+
+def check_stream_words(seed, offset):
+    """``seed`` and ``offset`` of a GPU call: ints in range, or arrays (SPEC section 7:
+    read by the kernels at run time). A NumPy array of shape () is taken as its int; a NumPy
+    array of shape (B,) is refused (it would need a copy to the device on every call)."""
+    seed, offset = val.check_seed_offset(seed, offset, arrays=True)
+    out = []
+    for name, x in (("seed", seed), ("offset", offset)):
+        if isinstance(x, np.ndarray):
+            if x.ndim:
+                raise TypeError(f"`{name}` as a per-sequence array must live on the GPU (a CuPy "
+                                "array or a CUDA tensor), got a NumPy array")
+            x = int(x)
+        out.append(x)
+    return tuple(out)
+
+
+def stream_args(inp: Inputs, seed, offset, batch: int, device: int):
+    """``(StreamArgs, keep_alive)`` of one call: ints go by value; device arrays (the
+    framework of ``q``, integer dtype of 4 or 8 bytes, shape () or (batch,), contiguous,
+    on ``q``'s GPU) by pointer, read by the kernels after their PDL entry. Attribute checks
+    only: no value is read, nothing synchronises."""
+    if type(seed) is int and type(offset) is int:
+        return StreamArgs(seed, offset, 0, 0, 0), None
+    flags = _stream_flags()
+    words, ptrs, bits = [0, 0], [0, 0], 0
+    for i, (name, x, kind) in enumerate((("seed", seed, "SEED"), ("offset", offset, "OFFSET"))):
+        if type(x) is int:
+            words[i] = x
+            continue
+        ops = ops_for(name, x)
+        if ops is not inp.ops:
+            raise TypeError(f"`{name}` must come from the framework of `q` ({inp.ops.name}), got "
+                            f"{type(x).__module__}.{type(x).__name__}")
+        dtype, shape, dev = ops.meta(x)
+        shape = tuple(int(n) for n in shape)
+        dname = ops.dtype_name(dtype)
+        if dname not in _WIDTHS:
+            raise TypeError(f"`{name}` must have dtype int32, uint32, int64 or uint64 on the GPU, "
+                            f"got {dname}")
+        if shape not in ((), (batch,)):
+            raise ValueError(f"`{name}` must have shape () or ({batch},) (one per sequence), "
+                             f"got {shape}")
+        if dev != device:
+            raise ValueError(f"`{name}` must be on the GPU of `q` ({device}), got device {dev}")
+        contiguous = x.is_contiguous() if ops is TORCH else x.flags.c_contiguous
+        if not contiguous:
+            raise ValueError(f"`{name}` must be contiguous (the kernels read it, and an advanced "
+                             "offset must be the caller's array)")
+        ptrs[i] = ops.ptr(x)
+        bits |= flags[f"STREAM_{kind}_DEVICE"]
+        if shape:
+            bits |= flags[f"STREAM_{kind}_PER_SEQ"]
+        if _WIDTHS[dname]:
+            bits |= flags[f"STREAM_{kind}_WIDE"]
+    return StreamArgs(words[0], words[1], ptrs[0], ptrs[1], bits), (seed, offset)
+
+
+def advance_offset(offset) -> None:
+    """``offset += 1`` on the device, modulo 2**32, on the current stream of its framework
+    (enqueued after the call's kernels; captured into a CUDA graph with them). 32-bit words
+    wrap by themselves; 64-bit words are masked to their low 32 bits."""
+    if type(offset) is int or isinstance(offset, np.ndarray):
+        raise TypeError("`advance_offset=True` needs `offset` as a GPU integer array (it is "
+                        "advanced in place on the device)")
+    ops = ops_for("offset", offset)
+    wide = _WIDTHS.get(ops.dtype_name(ops.meta(offset)[0]), False)
+    if ops is TORCH:
+        offset.add_(1)
+        if wide:
+            offset.bitwise_and_(0xFFFFFFFF)
+    else:
+        import cupy
+
+        with cupy.cuda.Device(offset.data.device_id):
+            offset += 1
+            if wide:
+                offset &= 0xFFFFFFFF
 
 
 def stream_for(inp: Inputs, device: int):
