@@ -38,9 +38,10 @@ _ARRAY_BACKEND = {"numpy": "reference", "cuda": "cuda"}  # backend_of's names ->
 def _gpu_kernel_limits():
     """What every CUDA kernel takes: (dtypes, head dims, max GQA group). Read from the CUDA
     backend's own declarations (importing them imports no CuPy)."""
-    from .cuda import _inputs, _sources
+    from .cuda import kernels
+    from .cuda.runtime import inputs
 
-    return _inputs.GPU_KERNEL_DTYPES, _sources.HEAD_DIMS, _sources.MAX_GROUP
+    return inputs.GPU_KERNEL_DTYPES, kernels.HEAD_DIMS, kernels.MAX_GROUP
 
 
 @dataclass(frozen=True)

@@ -128,12 +128,13 @@ softmax_scale, check_finite
         return []
 
     def _check_cuda_limits(self) -> None:
-        from .cuda import _inputs, flash, santa
+        from .cuda import flash, santa
+        from .cuda.runtime import inputs
 
         sizes = santa.TILE_SIZES if self.schedule == "prop" else flash.TILE_SIZES
         if self.tile_size not in sizes:
             raise ValueError(f"`tile_size` must be one of {sizes} on the GPU, got {self.tile_size}")
-        _inputs.check_gpu_budget(self.budget, 2**30 if self.schedule == "prop"
+        inputs.check_gpu_budget(self.budget, 2**30 if self.schedule == "prop"
                                  else flash.FLASH_MAX_BUDGET)
 
     def _run(self, backend, q, k, v, seq_lens, diagnose, call):
