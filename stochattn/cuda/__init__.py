@@ -38,9 +38,6 @@ def __getattr__(name):  # lazy: importing the package imports no CuPy and compil
         module, attr = _LAZY[name]
         mod = importlib.import_module(module, __name__)
         return mod if attr is None else getattr(mod, attr)
-    _compat = importlib.import_module("._compat", __name__)
-    if name in _compat.MODULES:  # deprecated: _inputs and _sources (stochattn/_plan.py, santa.py)
-        return _compat.module(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
