@@ -36,12 +36,13 @@ softmax_scale, check_finite
         After each call, add 1 to ``offset`` in place (modulo 2**32); ``offset`` must then be
         an integer array. N calls with one array starting at o draw what N calls with
         offsets o, o + 1, ..., o + N - 1 draw: the form a captured CUDA graph needs (SPEC
-        section 7; on the GPU it waits for device-side offsets).
+        section 7; on the GPU the increment runs on the device, after the kernels).
 
     Calls: ``plan.run(q, k, v, seq_lens=None, *, seed=0, offset=0)`` returns the output
     (B, Hq, D); ``plan.diagnose(...)`` returns ``(output, Diagnostics)``. ``seed`` and
-    ``offset`` are ints, or (on the reference, for now) integer arrays of shape () or
-    (B,): sequence b then draws with ``seed[b]`` and ``offset[b]``.
+    ``offset`` are ints, or integer arrays of shape () or (B,) (NumPy on the reference,
+    GPU arrays read by the kernels at run time on the GPU): sequence b then draws with
+    ``seed[b]`` and ``offset[b]`` (docs/rng.md).
 
     Raises
     ------

@@ -49,7 +49,8 @@ Philox
 ``+``, ``>>``, ``&`` and ``^`` on values below 2**64 (no product or sum overflows), so the
 same function runs vectorised on NumPy uint64 arrays (``stochattn.reference.rng``) and,
 compiled with ``numba.cuda.jit(device=True)``, inside the k-means kernels
-(``stochattn.cuda._kmeans_kernels``). The CUDA C++ kernels use ``stochattn/cuda/philox.cuh``.
+(``stochattn.cuda.kmeans.kernels``). The CUDA C++ kernels use
+``stochattn/cuda/kernels/philox.cuh``.
 """
 
 from __future__ import annotations
