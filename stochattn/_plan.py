@@ -26,7 +26,7 @@ import numpy as np
 from . import _validation as val
 from ._backend import backend_of, cuda_not_implemented
 
-__all__ = ["Plan", "PlanShape", "cached_plan", "clear_plan_cache", "device_of",
+__all__ = ["AttentionPlan", "Plan", "PlanShape", "cached_plan", "clear_plan_cache", "device_of",
            "no_call_arguments", "plan_cache_size", "renamed", "take_seed_offset",
            "check_stream_arrays", "advance"]
 
@@ -209,6 +209,23 @@ class Plan:
     def options(self) -> dict:
         """The plan's checked options, by their public names."""
         return {}
+
+
+class AttentionPlan(Plan):
+    """A plan whose options include the two every attention estimator has: ``softmax_scale``
+    (None for 1/sqrt(D)) and ``check_finite``."""
+
+    def __init__(self, *, softmax_scale=None, check_finite=False, device="cpu", q_heads=None,
+                 kv_heads=None, head_dim=None, dtype=None):
+        if softmax_scale is not None:
+            val.check_scale(softmax_scale, 1)
+        self.softmax_scale = softmax_scale
+        self.check_finite = val.check_bool("check_finite", check_finite)
+        super().__init__(device=device, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                         dtype=dtype)
+
+    def options(self) -> dict:
+        return dict(softmax_scale=self.softmax_scale, check_finite=self.check_finite)
 
 
 # ---- the functional API's plan cache --------------------------------------------------------

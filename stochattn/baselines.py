@@ -12,7 +12,7 @@ import numpy as np
 
 from . import _validation as val
 from ._backend import backend_of
-from ._plan import Plan, cached_plan, device_of, no_call_arguments, renamed
+from ._plan import AttentionPlan, cached_plan, device_of, no_call_arguments, renamed
 from .diagnostics import Diagnostics
 from .reference import baselines as _ref
 from .reference.common import finish, lengths, union_rows_per_kv_head
@@ -35,24 +35,13 @@ def _diagnostics(shape, lens, mask, x, k_rows_read=None) -> Diagnostics:
     )
 
 
-class _SelectionPlan(Plan):
+class _SelectionPlan(AttentionPlan):
     """What the three selection baselines share: reference only, exact attention over a
     selected set, the same diagnostics. Subclasses set ``function`` and ``kernel`` and
     implement ``_select``."""
 
     kernel = ""  # the GPU kernel this baseline lacks, for the refusal
 
-    def __init__(self, *, softmax_scale=None, check_finite=False, device="cpu", q_heads=None,
-                 kv_heads=None, head_dim=None, dtype=None):
-        if softmax_scale is not None:
-            val.check_scale(softmax_scale, 1)
-        self.softmax_scale = softmax_scale
-        self.check_finite = val.check_bool("check_finite", check_finite)
-        super().__init__(device=device, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
-                         dtype=dtype)
-
-    def options(self) -> dict:
-        return dict(softmax_scale=self.softmax_scale, check_finite=self.check_finite)
 
     def _cuda_missing(self) -> list[str]:
         return [self.kernel]

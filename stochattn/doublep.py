@@ -24,7 +24,7 @@ import numpy as np
 
 from . import _validation as val
 from ._backend import backend_of, in_callers_framework
-from ._plan import Plan, advance, cached_plan, device_of, renamed
+from ._plan import AttentionPlan, advance, cached_plan, device_of, renamed
 from .diagnostics import Diagnostics
 from .reference import doublep as _ref
 from .reference import kmeans as _km
@@ -549,20 +549,9 @@ def cluster_topk_attention(q, k, v=None, seq_lens=None, *, index, k_clusters=Non
                          dict(index=index))
 
 
-class _DecodePlan(Plan):
+class _DecodePlan(AttentionPlan):
     """What the two decode plans share: the index per call, its checks, the GPU path."""
 
-    def __init__(self, *, softmax_scale=None, check_finite=False, device="cpu", q_heads=None,
-                 kv_heads=None, head_dim=None, dtype=None):
-        if softmax_scale is not None:
-            val.check_scale(softmax_scale, 1)
-        self.softmax_scale = softmax_scale
-        self.check_finite = val.check_bool("check_finite", check_finite)
-        super().__init__(device=device, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
-                         dtype=dtype)
-
-    def options(self) -> dict:
-        return dict(softmax_scale=self.softmax_scale, check_finite=self.check_finite)
 
     advance_offset = False
 

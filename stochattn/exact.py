@@ -6,7 +6,7 @@ import numpy as np
 
 from . import _validation as val
 from ._backend import backend_of, host_ints, in_callers_framework, require_cupy
-from ._plan import Plan, cached_plan, device_of, no_call_arguments
+from ._plan import AttentionPlan, cached_plan, device_of, no_call_arguments
 from .diagnostics import Diagnostics
 from .reference import exact as _ref
 from .reference.common import finish, lengths
@@ -14,7 +14,7 @@ from .reference.common import finish, lengths
 __all__ = ["ExactPlan", "exact_attention"]
 
 
-class ExactPlan(Plan):
+class ExactPlan(AttentionPlan):
     """A plan of :func:`exact_attention` (options as there; ``device``, ``q_heads``,
     ``kv_heads``, ``head_dim``, ``dtype`` as in :class:`~stochattn.SantaPlan`).
 
@@ -34,17 +34,6 @@ class ExactPlan(Plan):
 
     function = "exact_attention"
 
-    def __init__(self, *, softmax_scale=None, check_finite=False, device="cpu", q_heads=None,
-                 kv_heads=None, head_dim=None, dtype=None):
-        if softmax_scale is not None:
-            val.check_scale(softmax_scale, 1)
-        self.softmax_scale = softmax_scale
-        self.check_finite = val.check_bool("check_finite", check_finite)
-        super().__init__(device=device, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
-                         dtype=dtype)
-
-    def options(self) -> dict:
-        return dict(softmax_scale=self.softmax_scale, check_finite=self.check_finite)
 
     def _run(self, backend, q, k, v, seq_lens, diagnose, call):
         no_call_arguments(call)
