@@ -322,6 +322,24 @@ class SantaResult:
     true_mass: np.ndarray
 
 
+def _score_stage(q, k, lens, scale, scores, bernoulli_draws, bernoulli_group_shared, seed,
+                 offset):
+    """``(exact logits, the logits the sampler uses, feature fraction or None)``: the exact
+    logits, or the Bernoulli estimate of the scores times ``scale``."""
+    x_exact = logits(q, k, lens, scale)
+    if scores == "exact":
+        return x_exact, x_exact, None
+    if scores != "bernoulli":
+        raise ValueError(f"`scores` must be one of {', '.join(map(repr, SCORES))}, got {scores!r}")
+    from .bernoulli import estimate_scores  # the score stage lives in its own module
+
+    s_hat, fraction = estimate_scores(q, k, lens, draws=bernoulli_draws,
+                                      group_shared=bernoulli_group_shared, seed=seed,
+                                      offset=offset)
+    x = scale * np.asarray(s_hat, dtype=np.float64)  # -inf past the sequence stays -inf
+    return x_exact, x, np.asarray(fraction, dtype=np.float64)
+
+
 def santa_attention(q, k, v, seq_lens, scale: float, *, budget: int, sampler: str, schedule: str,
                     tile_size: int, seed: int, offset: int, scores: str = "exact",
                     bernoulli_draws: int = 4, bernoulli_group_shared: bool = False) -> SantaResult:
@@ -333,20 +351,8 @@ def santa_attention(q, k, v, seq_lens, scale: float, *, budget: int, sampler: st
     N = k.shape[2]
     lens = lengths(seq_lens, B, N)
     S = int(budget)
-    x_exact = logits(q, k, lens, scale)
-    feature_fraction = None
-    if scores == "exact":
-        x = x_exact
-    elif scores == "bernoulli":
-        from .bernoulli import estimate_scores  # the score stage lives in its own module
-
-        s_hat, feature_fraction = estimate_scores(q, k, lens, draws=bernoulli_draws,
-                                                  group_shared=bernoulli_group_shared,
-                                                  seed=seed, offset=offset)
-        x = scale * np.asarray(s_hat, dtype=np.float64)  # -inf past the sequence stays -inf
-        feature_fraction = np.asarray(feature_fraction, dtype=np.float64)
-    else:
-        raise ValueError(f"`scores` must be one of {', '.join(map(repr, SCORES))}, got {scores!r}")
+    x_exact, x, feature_fraction = _score_stage(q, k, lens, scale, scores, bernoulli_draws,
+                                                bernoulli_group_shared, seed, offset)
 
     nonempty = lens > 0
     T = -(-N // tile_size)
@@ -482,20 +488,8 @@ def santa_attention_per_head(q, k, v, seq_lens, scale: float, *, budget, sampler
     N = k.shape[2]
     lens = lengths(seq_lens, B, N)
     S_of = check_head_budgets(budget, B, Hq, lens)
-    x_exact = logits(q, k, lens, scale)
-    feature_fraction = None
-    if scores == "exact":
-        x = x_exact
-    elif scores == "bernoulli":
-        from .bernoulli import estimate_scores
-
-        s_hat, feature_fraction = estimate_scores(q, k, lens, draws=bernoulli_draws,
-                                                  group_shared=bernoulli_group_shared,
-                                                  seed=seed, offset=offset)
-        x = scale * np.asarray(s_hat, dtype=np.float64)
-        feature_fraction = np.asarray(feature_fraction, dtype=np.float64)
-    else:
-        raise ValueError(f"`scores` must be one of {', '.join(map(repr, SCORES))}, got {scores!r}")
+    x_exact, x, feature_fraction = _score_stage(q, k, lens, scale, scores, bernoulli_draws,
+                                                bernoulli_group_shared, seed, offset)
     if schedule not in SCHEDULES:
         raise ValueError(f"`schedule` must be one of {', '.join(map(repr, SCHEDULES))}, got {schedule!r}")
 
