@@ -1,7 +1,7 @@
-"""One ``cupy.RawModule`` per kernel family, compiled on first use and cached per device.
+"""One ``cupy.RawModule`` per kernel instantiation, compiled on first use, cached per device.
 
-``import stochattn.cuda`` compiles nothing; the first call that needs a family compiles
-all of its template instantiations (``kernels.name_expressions``) once per device,
+``import stochattn.cuda`` compiles nothing; the first call that needs a kernel compiles
+that one template instantiation (one of ``kernels.name_expressions``) once per device,
 process and configuration (a :class:`.config.GpuConfig`: its compile options and element
 types are part of the cache key; CuPy also caches the binary on disk, keyed on the source
 text and options).
@@ -22,7 +22,7 @@ __all__ = ["get_kernel", "Launcher", "Packed", "ctas_per_sm", "num_sms", "choose
            "split_tokens", "split_kv"]
 
 _lock = threading.Lock()
-_modules: dict = {}  # (family, device id, options, dtypes) -> cupy.RawModule
+_modules: dict = {}  # (family, name, device id, options, dtypes) -> cupy.RawModule
 _occupancy: dict = {}  # (family, name, device id, threads, options, dtypes, smem) -> CTAs per SM
 
 
@@ -36,19 +36,24 @@ def gpu_config(config=None) -> "_config.GpuConfig":
     return config
 
 
-def _module(family: str, config=None):
+def _module(family: str, name: str, config=None):
     import cupy
 
     config = gpu_config(config)
     dev = cupy.cuda.Device().id
     options = config.tiling.options()
-    key = (family, dev, options, config.dtypes)
+    key = (family, name, dev, options, config.dtypes)
     mod = _modules.get(key)
     if mod is None:
-        # Built outside the lock so that different configurations compile in parallel
-        # threads (tuning); two threads racing on one key both compile, one result is kept.
+        if name not in kernels.name_expressions(family, config.dtypes):
+            raise KeyError(f"{name!r} is not an instantiation of the {family!r} kernels under "
+                           f"this configuration (dtypes {config.dtypes})")
+        # One instantiation per module: a first call compiles only what it launches (a
+        # family has up to a few dozen instantiations; compiling them all took 5-30 s per
+        # family). Built outside the lock so that different configurations compile in
+        # parallel threads (tuning); two threads racing on one key both compile, one is kept.
         mod = cupy.RawModule(code=kernels.source_text(family), options=options,
-                             name_expressions=kernels.name_expressions(family, config.dtypes))
+                             name_expressions=[name])
         with _lock:
             mod = _modules.setdefault(key, mod)
     return mod
@@ -56,8 +61,10 @@ def _module(family: str, config=None):
 
 def get_kernel(family: str, name: str, config=None):
     """The compiled kernel ``name`` (one of the family's name expressions) on the current
-    device, under ``config`` (a :class:`.config.GpuConfig`; default: the process default)."""
-    return _module(family, config).get_function(name)
+    device, under ``config`` (a :class:`.config.GpuConfig`; default: the process default).
+    Each instantiation is its own module, compiled on its first use (CuPy keeps the binary
+    on disk, keyed on the source text, options and name, for later processes)."""
+    return _module(family, name, config).get_function(name)
 
 
 class Launcher:
