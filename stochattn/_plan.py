@@ -136,11 +136,9 @@ class Plan:
         """``(seed, offset)`` of a call of a stochastic plan (one with ``advance_offset``),
         checked against the batch of ``q`` (see :func:`check_stream_arrays`)."""
         seed, offset = take_seed_offset(call)
-        shape = getattr(q, "shape", None)
-        if shape is not None and len(shape) >= 1:
-            check_stream_arrays(backend, seed, offset, int(shape[0]), self.advance_offset)
-        elif self.advance_offset and isinstance(offset, int):
-            check_stream_arrays(backend, seed, offset, 0, True)
+        shape = getattr(q, "shape", ())  # a bad q is reported by the input checks that follow
+        check_stream_arrays(backend, seed, offset, int(shape[0]) if len(shape) else None,
+                            self.advance_offset)
         return seed, offset
 
     def _check_cuda_limits(self) -> None:
@@ -281,8 +279,8 @@ def take_seed_offset(call: dict) -> tuple:
     return val.check_seed_offset(seed, offset, arrays=True)
 
 
-def check_stream_arrays(backend: str, seed, offset, batch: int, advance_offset: bool) -> None:
-    """The per-call forms of ``seed`` and ``offset`` (SPEC section 7), once the batch is
+def check_stream_arrays(backend: str, seed, offset, batch, advance_offset: bool) -> None:
+    """The per-call forms of ``seed`` and ``offset`` (docs/rng.md), once the batch is
     known: ints, or integer arrays of shape () or (B,) (sequence ``b`` draws with
     ``seed[b]``, ``offset[b]``). The reference takes NumPy arrays; the CUDA kernels take GPU
     arrays of the inputs' framework, which they read at run time (their attributes are
@@ -296,7 +294,7 @@ def check_stream_arrays(backend: str, seed, offset, batch: int, advance_offset: 
         raise TypeError(f"`advance_offset=True` needs `offset` as {where}, got "
                         f"{'an int' if isinstance(offset, int) else 'a NumPy array'}")
     for name, x in (("seed", seed), ("offset", offset)):
-        if isinstance(x, np.ndarray):
+        if isinstance(x, np.ndarray) and batch is not None:  # batch None: q has no shape
             val.check_per_sequence(name, x, batch)
 
 
