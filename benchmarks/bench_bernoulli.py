@@ -1,6 +1,6 @@
 """Does Bernoulli qK^T save time? The score stage of S²ANTA-prop with exact scores, with
 Bernoulli scores on the usual token-major K, and with Bernoulli scores on a feature-major
-copy of K, against torch SDPA in the same run (SPEC section 2: "the benchmark decides").
+copy of K, against torch SDPA in the same run (whether skipping features pays is for this benchmark to decide).
 
     python3 benchmarks/bench_bernoulli.py --cases 8:32768,8:131072,1:32768,32:32768 --draws 1,2,4
 

@@ -26,7 +26,7 @@ once and ``run()`` timed, with and without tensor cores; for batch 1 also
 ``single_decode_with_kv_cache`` on K/V copied once to (N, Hkv, D). The fastest exact
 baseline of a configuration is the minimum over torch SDPA and the FlashInfer variants
 (ours excluded), per timing mode. Floors: bytes of K+V (and of K alone) over the
-device-to-device copy bandwidth measured here (bytes read plus written, as GPU.md does).
+device-to-device copy bandwidth measured here (bytes read plus written).
 
 Inputs (``--inputs``): ``calibrated`` (the default) is one sequence of the full context from
 ``stochattn.eval.calibrated.make_calibrated_inputs`` (the long-context generator calibrated on

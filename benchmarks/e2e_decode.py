@@ -8,7 +8,7 @@ to mean anything, is skipped), then 128 tokens are decoded greedily, one forward
 with each attention implementation in turn.
 
 K/V (``--kv``): ``calibrated`` (default) fills every layer and sequence with one draw of
-stochattn.eval.calibrated's generator (attention as peaked as SmolLM2's, SPEC section 6) and makes
+stochattn.eval.calibrated's generator (attention as peaked as SmolLM2's, docs/generator.md) and makes
 every decode call attend with that draw's query instead of the random model's
 (benchmarks/e2e_impls.CalibratedQuery): a random model's query is unrelated to the cache, its
 attention flat, and Double-P's cost depends on how peaked attention is. ``gaussian`` fills

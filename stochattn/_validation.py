@@ -185,7 +185,7 @@ def check_choice(name: str, value, choices) -> str:
 def check_seed_offset(seed, offset, *, arrays: bool = False):
     """``seed`` in [0, 2**64) and ``offset`` in [0, 2**32): integers, or with ``arrays=True``
     also integer arrays of shape () or (B,) (one per sequence; the form a captured CUDA
-    graph reads at run time, SPEC section 7). Host arrays are checked here (values and dtype);
+    graph reads at run time, docs/rng.md). Host arrays are checked here (values and dtype);
     the batch size of a (B,) array is checked by :func:`check_per_sequence` once B is
     known. Device arrays are checked by their backend (attributes only, no values)."""
     return (_check_stream_word("seed", seed, 64, arrays),

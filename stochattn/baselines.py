@@ -1,4 +1,4 @@
-"""Selection baselines of SPEC section 4: oracle top-k, Quest, oracle token top-p.
+"""Selection baselines (docs/estimators.md): oracle top-k, Quest, oracle token top-p.
 
 Each selects a set of tokens per query head and attends exactly over it, renormalised.
 They exist so that every accuracy and speed table has its comparison; the oracle methods

@@ -1,4 +1,4 @@
-"""Double-P hierarchical top-p attention (SPEC section 3) and fixed top-k clusters (section 4).
+"""Double-P hierarchical top-p attention and fixed top-k clusters (docs/estimators.md).
 
 Prefill builds a :class:`DoublePIndex` (k-means on the keys of the middle tokens, per
 sequence and KV head) with :func:`build_doublep_index`; each decode step calls
@@ -261,7 +261,7 @@ class DoublePIndex:
 def _unpaged(k, v, seq_lens):
     """A paged cache (``k`` a :class:`~stochattn.paged.PagedKV`) as the reference reads it;
     arrays as they are. The index stores token positions, never pages, so pages may move
-    between calls (SPEC section 7)."""
+    between calls."""
     from ._plan import is_paged
 
     if not is_paged(k):

@@ -1,4 +1,4 @@
-"""Paged KV caches in FlashInfer's layout (SPEC section 7), so an engine passes its cache as is.
+"""Paged KV caches in FlashInfer's layout (docs/paged.md), so an engine passes its cache as is.
 
 A paged cache is a pool of fixed-size pages plus a page table in CSR form:
 

@@ -35,8 +35,7 @@ softmax_scale, check_finite
     advance_offset : bool
         After each call, add 1 to ``offset`` in place (modulo 2**32); ``offset`` must then be
         an integer array. N calls with one array starting at o draw what N calls with
-        offsets o, o + 1, ..., o + N - 1 draw: the form a captured CUDA graph needs (SPEC
-        section 7; on the GPU the increment runs on the device, after the kernels).
+        offsets o, o + 1, ..., o + N - 1 draw: the form a captured CUDA graph needs (docs/plans.md; on the GPU the increment runs on the device, after the kernels).
 
     Calls: ``plan.run(q, k, v, seq_lens=None, *, seed=0, offset=0)`` returns the output
     (B, Hq, D); ``plan.diagnose(...)`` returns ``(output, Diagnostics)``. ``seed`` and
@@ -208,7 +207,7 @@ def santa_attention(q, k, v=None, seq_lens=None, *, budget=None, sampler="system
         Per-call counter (decode step, layer), in [0, 2**32): a new offset gives new draws.
     scores : {"exact", "bernoulli"}
         Score stage. ``"exact"``: exact logits. ``"bernoulli"``: logits from the unbiased
-        Bernoulli estimate of q . k that reads only some key features (SPEC section 2).
+        Bernoulli estimate of q . k that reads only some key features (docs/estimators.md).
         The score estimate is unbiased, but the softmax of an unbiased score is **not**
         an unbiased softmax (exp is convex and the normaliser is random), so with
         ``"bernoulli"`` the output is a biased estimate of o.

@@ -1,4 +1,4 @@
-"""Bernoulli qK^T (SPEC section 2): unbiased scores from a random subset of key features.
+"""Bernoulli qK^T (docs/estimators.md): unbiased scores from a random subset of key features.
 
 Statistical tests state their false-failure rate (``alpha``) per test call; Hypothesis
 runs at most 25 examples per test (tests/conftest.py), so a Hypothesis test fails falsely
@@ -46,7 +46,7 @@ def many(q, k, seq_lens, *, R, seed, **kw):
 
 
 def manual_estimate(q, k, *, draws, seed, offset, group_shared, bug=None):
-    """A loop-by-loop restatement of SPEC section 2, with an optional planted bug.
+    """A loop-by-loop restatement of the estimator (docs/estimators.md), with an optional planted bug.
 
     bug=None is the correct estimator (checked against the library below); "no_importance"
     shares the group pattern but weights it like the per-head estimator, alpha_h sign(q_hj)
@@ -114,7 +114,7 @@ def test_scores_are_unbiased(inputs, draws, group_shared, seed, offset):
 
 
 def test_manual_restatement_matches_library():
-    """The loop-by-loop estimator of SPEC section 2 equals the library (to rounding)."""
+    """The loop-by-loop estimator of docs/estimators.md equals the library (to rounding)."""
     rng = np.random.default_rng(7)
     q = rng.standard_normal((2, 4, 8))
     q[1, 2, 3] = 0.0  # a zero feature in one head

@@ -1,4 +1,4 @@
-"""Error-targeted budgets (SPEC section 8): stochattn.reference.budgets and per-head budgets.
+"""Error-targeted budgets (docs/budgets.md): stochattn.reference.budgets and per-head budgets.
 
 What is claimed and how it is tested:
 

@@ -332,7 +332,7 @@ def test_sample_draws_follow_position_order(sampler):
 
 def test_centroid_variant_is_biased_sample_converges():
     """With many points the sampled variant lands closer to the p2 = 1 output than the
-    centroid variant (fixed data and seed: a deterministic check of the SPEC's aim)."""
+    centroid variant (fixed data and seed: a deterministic check of the method's aim)."""
     q, k, v, index, truth, _ = sample_setup(99)
     cen = doublep_attention(q, k, v, index=index, p1=P1, p2=P2)
     smp = doublep_attention(q, k, v, index=index, p1=P1, p2=P2, approx="sample", budget=4096,

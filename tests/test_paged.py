@@ -1,4 +1,4 @@
-"""Paged KV caches (stochattn.paged, SPEC section 7): FlashInfer's length rule, contiguous ->
+"""Paged KV caches (stochattn.paged, docs/paged.md): FlashInfer's length rule, contiguous ->
 paged -> gather is the identity, gather agrees with a token-by-token reading of the page
 table, every validation error is pinned, and every estimator gives on gathered paged input
 what it gives on the contiguous cache, bit for bit."""
@@ -32,7 +32,7 @@ def _boundary_lens(page_size, n_max):
 
 
 def _read_token_by_token(cache: PagedKV, which: str):
-    """The definition of SPEC section 7, one token at a time: token t of sequence b is in page
+    """The definition of docs/paged.md, one token at a time: token t of sequence b is in page
     kv_indices[kv_indptr[b] + t // page_size], slot t % page_size. Returns a list of
     (Hkv, len_b, D) arrays."""
     pages = np.asarray(cache.k_pages if which == "k" else cache.v_pages)
@@ -153,7 +153,7 @@ def test_round_trip_property(data):
 @given(st.data())
 def test_gather_reads_what_the_page_table_says(data):
     """A page table drawn directly (pages shared between sequences, in any order, spare
-    pages): gather equals the token-by-token reading of SPEC section 7."""
+    pages): gather equals the token-by-token reading of docs/paged.md."""
     page_size = data.draw(st.integers(1, 6), label="page_size")
     num_pages = data.draw(st.integers(1, 8), label="num_pages")
     B = data.draw(st.integers(1, 4), label="B")

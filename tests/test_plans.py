@@ -204,7 +204,7 @@ def test_docstring_examples_run(module):
     assert result.attempted > 0 and result.failed == 0
 
 
-# ---- per-call random streams as arrays (SPEC section 7), on the reference ------------------
+# ---- per-call random streams as arrays (docs/rng.md), on the reference ------------------
 
 def _stochastic_calls(k, v, lens):
     """(name, call(q, seed, offset) -> output) of every stochastic estimator."""

@@ -1,4 +1,4 @@
-"""SANTA / S²ANTA value stage (SPEC section 1): santa_attention and reference.santa.
+"""SANTA / S²ANTA value stage (docs/estimators.md): santa_attention and reference.santa.
 
 Statistical tests state their false-failure rate ``alpha`` per assertion; Hypothesis runs
 at most the ``max_examples`` written next to each test, so a Hypothesis test fails falsely

@@ -1,4 +1,4 @@
-"""Long-context decode inputs calibrated on SmolLM2's real attention (SPEC section 6).
+"""Long-context decode inputs calibrated on SmolLM2's real attention (docs/generator.md).
 
 :func:`make_calibrated_inputs` draws ``(q, k, v)`` for one decode step whose attention
 statistics (keys for 50/90/95/99% of the mass, entropy, sink and window mass) match the

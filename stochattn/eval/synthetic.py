@@ -1,4 +1,4 @@
-"""Synthetic decode inputs whose attention is peaked like a real LLM's (SPEC section 6).
+"""Synthetic decode inputs whose attention is peaked like a real LLM's (docs/llm_eval.md).
 
 On random Gaussian q and k attention is flat and no sparse method can win, so benchmarks
 and the demo use this generator instead. It is a simple, documented model, not a trace.
@@ -37,7 +37,7 @@ model's). ``python -m stochattn.eval.synthetic`` prints these figures.
 
 Known limits: keys are isotropic in the content subspace (real keys have a few outlier
 channels) and topics are independent draws, so per-page min/max bounds are loose here and
-Quest's numbers on this generator are pessimistic; real traces (SPEC section 6) decide.
+Quest's numbers on this generator are pessimistic; real traces (docs/llm_eval.md) decide.
 All randomness comes from ``numpy.random.default_rng(seed)``.
 """
 

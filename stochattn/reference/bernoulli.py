@@ -1,6 +1,6 @@
 """Bernoulli qK^T: an unbiased estimate of the scores that reads only some key features.
 
-Per query head (SPEC section 2), with a = |q| and alpha = max_j a_j, feature j has the
+Per query head (docs/estimators.md), with a = |q| and alpha = max_j a_j, feature j has the
 inclusion probability p_j = a_j / alpha. Each of ``draws`` independent draws i keeps
 feature j when z_ij = [u_ij < p_j], and
 

@@ -1,4 +1,4 @@
-"""Error-targeted budgets (SPEC section 8): the smallest S per query head for a tolerance.
+"""Error-targeted budgets (docs/budgets.md): the smallest S per query head for a tolerance.
 
 The caller gives a relative tolerance ``eps``, a failure probability ``delta`` and a cap
 ``max_budget``; per (sequence b, query head h) :func:`choose_budgets` picks S so that

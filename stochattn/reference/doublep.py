@@ -1,4 +1,4 @@
-"""Double-P decode (SPEC section 3) and fixed top-k clusters (SPEC section 4), float64.
+"""Double-P decode and fixed top-k clusters (docs/estimators.md), float64.
 
 Per query head h (KV head h // G) of sequence b, with scale s and the index of
 :mod:`.kmeans`:

@@ -1,4 +1,4 @@
-"""k-means index of Double-P (SPEC section 3), NumPy reference in float64.
+"""k-means index of Double-P (docs/estimators.md), NumPy reference in float64.
 
 Token ranges of a sequence of length L, with ``window_start = max(n_sink, L - window)``::
 

@@ -6,7 +6,7 @@ the sequence and weights w_j = exp(x_j - max x), every estimator returns
     o_hat = (1 / S) sum_m v_{J_m}          (global, prop)
     o_hat = sum_t (W_t / Z) mu_t           (flash)
 
-Schedules (SPEC section 1):
+Schedules (docs/estimators.md):
 
 - ``global``: S sorted points T_m from :func:`.samplers.sample_points` (row, stream 0) are
   mapped through the CDF of the whole sequence: J_m = F^-1(T_m).
@@ -390,7 +390,7 @@ def santa_attention(q, k, v, seq_lens, scale: float, *, budget: int, sampler: st
 
 
 # ---------------------------------------------------------------------------------------
-# Per-head budgets (SPEC section 8): every (b, h) row with its own S.
+# Per-head budgets (docs/budgets.md): every (b, h) row with its own S.
 # ---------------------------------------------------------------------------------------
 
 def check_head_budgets(budget, batch: int, q_heads: int, lens: np.ndarray) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Random streams read on the device (SPEC section 7, issue "Serving-grade decode" item 1).
+"""Random streams read on the device (docs/rng.md, issue "Serving-grade decode" item 1).
 
 ``seed`` and ``offset`` as GPU arrays of shape () or (B,) are read by the kernels at run
 time, so a captured CUDA graph draws fresh numbers on every replay when the plan advances

@@ -1,4 +1,4 @@
-// Bernoulli qK^T on the GPU (SPEC section 2; reference: stochattn/reference/bernoulli.py):
+// Bernoulli qK^T on the GPU (docs/estimators.md; reference: stochattn/reference/bernoulli.py):
 // the score stage that reads only the key features a random ternary query keeps.
 //
 // 1. bernoulli_qhat, grid (Hkv, B), block kQhatThreads: per GQA group, the effective query

@@ -1,4 +1,4 @@
-// Double-P decode growth (SPEC section 3): the tokens that leave the window join the index.
+// Double-P decode growth: the tokens that leave the window join the index.
 //
 // The tokens [window_start[b], max(n_sink, L' - window)) leave the window of sequence b;
 // they join the index of each KV head h in position order, exactly as the reference's

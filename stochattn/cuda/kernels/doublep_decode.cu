@@ -1,4 +1,4 @@
-// Double-P decode (SPEC section 3) and fixed top-k clusters on the GPU, over the index of
+// Double-P decode and fixed top-k clusters on the GPU, over the index of
 // stochattn/cuda/doublep_index.py. Five launches per call (plus one for diagnostics):
 //
 // 1. doublep_cluster_logits  grid (cluster blocks, Hkv, B): the pseudo-logits of every

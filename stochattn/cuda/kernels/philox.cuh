@@ -55,7 +55,7 @@ STOCHATTN_HD PhiloxCounter philox4x32_10(PhiloxCounter c, unsigned k0, unsigned 
   return c;
 }
 
-// Seeds and offsets read on the device (SPEC section 7): a kernel that draws takes the host
+// Seeds and offsets read on the device (docs/rng.md): a kernel that draws takes the host
 // values (seed, offset), the device pointers (seed_ptr, offset_ptr; null when unused) and
 // these flags, and reads sequence b's words with stream_seed / stream_offset after its PDL
 // entry (a previous launch may have just advanced the offset). A device word is one per

@@ -1,5 +1,5 @@
-// S²ANTA-flash: sampled attention in one streaming pass, no global sync (SPEC section 1,
-// "flash"; reference: stochattn/reference/santa.py, flash_estimate).
+// S²ANTA-flash: sampled attention in one streaming pass, no global sync (docs/estimators.md,
+// schedule "flash"; reference: stochattn/reference/santa.py, flash_estimate).
 //
 // Per (sequence b, query head h) with L tokens, T_L = ceil(L / tile_size) tiles and
 // S_t = ceil(S / T_L): tile t draws S_t points from its OWN local distribution

@@ -1,4 +1,4 @@
-// S²ANTA-prop: unbiased sampled attention in three launches (SPEC section 1, "prop").
+// S²ANTA-prop: unbiased sampled attention in three launches (docs/estimators.md, schedule "prop").
 //
 // 1. santa_prop_logits, grid (num_chunks, Hkv, B) as exact_decode.cu: a CTA streams the K
 //    rows of its chunk once for all G heads of the group through the cp.async pipeline and

@@ -257,7 +257,7 @@ def _stream_flags() -> dict:
 
 
 def check_stream_words(seed, offset):
-    """``seed`` and ``offset`` of a GPU call: ints in range, or arrays (SPEC section 7:
+    """``seed`` and ``offset`` of a GPU call: ints in range, or arrays (docs/rng.md:
     read by the kernels at run time). A NumPy array of shape () is taken as its int; a NumPy
     array of shape (B,) is refused (it would need a copy to the device on every call)."""
     seed, offset = val.check_seed_offset(seed, offset, arrays=True)

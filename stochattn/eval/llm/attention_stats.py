@@ -1,4 +1,4 @@
-"""Statistics of SmolLM2's real attention (what synthetic K/V must reproduce, SPEC section 6).
+"""Statistics of SmolLM2's real attention (what synthetic K/V must reproduce, docs/llm_eval.md).
 
 Run from the repository root (needs the ``eval`` extra)::
 
@@ -15,7 +15,7 @@ tokens and itself, exact softmax in float64) and for every layer and query head:
 - ``window_mass``: the mass of the last ``window`` = 64 tokens (the query's own included).
 
 Each is the mean over the queries; :func:`summarize` gives the median and quartiles over all
-heads, the figures SPEC section 6 quotes.
+heads, the figures docs/llm_eval.md quotes.
 """
 
 from __future__ import annotations
