@@ -27,6 +27,7 @@ from . import _validation as val
 from ._backend import backend_of, cuda_not_implemented
 
 __all__ = ["AttentionPlan", "Plan", "PlanShape", "cached_plan", "clear_plan_cache", "device_of",
+           "fill_out",
            "no_call_arguments", "plan_cache_size", "renamed", "take_seed_offset",
            "check_stream_arrays", "advance"]
 
@@ -92,6 +93,10 @@ class Plan:
 
     function = "plan"  # the functional API's name, for messages
     needs_v = True     # False for estimators of the score stage (q and k only)
+    # A plan made by the user keeps its GPU scratch between calls (:attr:`workspace`); the
+    # functions' cached plans do not (their callers may be on any stream).
+    keeps_workspace = True
+    _workspace = None
 
     def __init__(self, *, device="cpu", q_heads=None, kv_heads=None, head_dim=None, dtype=None):
         if not isinstance(device, str) or device.split(":")[0].lower() not in DEVICES:
@@ -146,6 +151,36 @@ class Plan:
 
     # ---- calls ----------------------------------------------------------------------------
 
+    @property
+    def workspace(self):
+        """The GPU scratch this plan keeps between calls
+        (:class:`stochattn.cuda.runtime.workspace.Workspace`): allocated by the first call
+        that needs more than it holds, reused after, so a warmed-up plan called with ``out=``
+        allocates nothing (call it once eagerly before capturing a CUDA graph). One stream
+        at a time: a call may instead pass its own ``workspace=`` (a uint8 GPU array)."""
+        if self._workspace is None:
+            from .cuda.runtime.workspace import Workspace
+
+            self._workspace = Workspace()
+        return self._workspace
+
+    def _buffers(self, call: dict) -> tuple:
+        """``(out, workspace)`` of a call, taken out of ``call``: ``out`` as given (None:
+        the call allocates its output), the ``workspace`` given, else the plan's own (None
+        for the functions' cached plans: each call allocates). The reference takes ``out``
+        (a NumPy array the result is copied into) and no workspace."""
+        out, ws = call.pop("out", None), call.pop("workspace", None)
+        if self.backend == "reference":
+            if ws is not None:
+                raise TypeError("`workspace` is GPU scratch; the reference takes none")
+            if out is not None and not isinstance(out, np.ndarray):
+                raise TypeError(f"`out` must be a NumPy array on the reference, got "
+                                f"{type(out).__name__}")
+            return out, None
+        if ws is None and self.keeps_workspace:
+            ws = self.workspace
+        return out, ws
+
     def run(self, q, k, v=None, seq_lens=None, **call):
         """The estimator's output for these arrays (see the plan class for ``call``)."""
         return self._call(q, k, v, seq_lens, False, call)
@@ -173,19 +208,36 @@ class Plan:
     def dispatch(self, q, k, v, seq_lens, diagnose: bool, call: dict):
         """The call, for arrays already known to be of this plan's backend (the functions
         use it after choosing the plan by the arrays' backend)."""
-        if is_paged(k):  # the reference reads a contiguous copy (the GPU kernels: not yet)
+        if is_paged(k) and self.backend == "reference":  # a contiguous copy
             from .paged import contiguous
 
             k, v, seq_lens = contiguous(k, v if self.needs_v else None, seq_lens)
             if not self.needs_v:
                 v = None
+        elif is_paged(k):  # the GPU kernels read the pages in place
+            given = [f"`{n}`" for n, x in (("v", v), ("seq_lens", seq_lens)) if x is not None]
+            if given:
+                raise TypeError(f"with a paged cache (`k` a PagedKV) pass no "
+                                f"{' and no '.join(given)}: the page table holds the values and "
+                                "the lengths")
+            reasons = self._paged_cuda_missing()
+            if reasons:
+                raise NotImplementedError(f"`{self.function}` cannot read a paged cache on the "
+                                          "GPU: " + "; ".join(reasons))
         if self.shape is not None:
             self._check_planned_shape(q, k)
         return self._run(self.backend, q, k, v, seq_lens, diagnose, call)
 
+    def _paged_cuda_missing(self) -> list[str]:
+        """Why this plan's GPU kernels cannot read a paged cache in place (empty: they can)."""
+        return ["its GPU kernels read contiguous caches only (pass NumPy pages to run the "
+                "reference)"]
+
     def _check_planned_shape(self, q, k) -> None:
         s = self.shape
-        qs, ks = tuple(q.shape), tuple(k.shape)
+        qs = tuple(q.shape)
+        ks = ((k.batch, k.kv_heads, k.token_bound, k.head_dim) if is_paged(k)
+              else tuple(k.shape))
         got = (qs[1] if len(qs) == 3 else None, ks[1] if len(ks) == 4 else None,
                qs[-1] if qs else None, _dtype_name(q.dtype))
         for name, want, have in zip(("q_heads", "kv_heads", "head_dim", "dtype"),
@@ -245,6 +297,7 @@ def cached_plan(cls, device: str, **options) -> Plan:
     if plan is not None:
         return plan
     plan = cls(device=device, **options)
+    plan.keeps_workspace = False
     with _lock:
         _plans[key] = plan
         while len(_plans) > _MAX_PLANS:
@@ -260,6 +313,19 @@ def clear_plan_cache() -> None:
 
 def plan_cache_size() -> int:
     return len(_plans)
+
+
+def fill_out(out, result):
+    """The reference's ``out=``: ``result`` copied into ``out`` (same shape, dtype castable
+    without loss of kind) and ``out`` returned; ``result`` itself when ``out`` is None."""
+    if out is None:
+        return result
+    if out.shape != result.shape:
+        raise ValueError(f"`out` must have shape {result.shape}, got {out.shape}")
+    if out.dtype != result.dtype:
+        raise TypeError(f"`out` must have dtype {result.dtype}, got {out.dtype}")
+    out[...] = result
+    return out
 
 
 def no_call_arguments(call: dict) -> None:

@@ -80,6 +80,10 @@ class PagedKV:
         Tokens in the last page of each sequence: in [1, page_size] for a sequence with
         pages, 0 for one without.
     layout : {"NHD", "HND"}
+    max_tokens : int or None
+        An upper bound of every sequence's length, known on the host without reading the
+        page table (the static context limit of an engine). The GPU kernels size their
+        launches and workspace by it (:attr:`token_bound`).
 
     The arrays are held as given (no copy), so an engine's buffers pass through to a GPU
     backend unchanged. Host (NumPy) arrays have their values checked when the object is
@@ -93,6 +97,7 @@ class PagedKV:
     kv_indices: object
     kv_last_page_len: object
     layout: str = "NHD"
+    max_tokens: int | None = None
     _device: str = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -151,6 +156,17 @@ class PagedKV:
                 + (pages == 0) * self.page_size)
 
     @property
+    def token_bound(self) -> int:
+        """An upper bound of the sequence lengths known without reading the page table:
+        ``max_tokens`` when given, else ``nnz_pages * page_size`` (no sequence owns more
+        pages than the table holds), at least 1. The GPU kernels plan for this many tokens
+        (grid and workspace), so an engine passes ``max_tokens``: the default grows with
+        the batch."""
+        if self.max_tokens is not None:
+            return self.max_tokens
+        return max(int(self.kv_indices.shape[0]) * self.page_size, 1)
+
+    @property
     def max_len(self) -> int:
         """The longest sequence (0 for a batch of empty sequences). Reads the values: on a GPU
         this is a synchronisation."""
@@ -164,7 +180,7 @@ class PagedKV:
 
 
 def paged_kv(k_pages, v_pages=None, *, kv_indptr, kv_indices, kv_last_page_len, layout="NHD",
-             check_values=False) -> PagedKV:
+             max_tokens=None, check_values=False) -> PagedKV:
     """Check a paged KV cache (FlashInfer's layout) once and hold it.
 
     Parameters
@@ -184,6 +200,11 @@ def paged_kv(k_pages, v_pages=None, *, kv_indptr, kv_indices, kv_last_page_len, 
         Tokens in each sequence's last page: in [1, page_size] if it has pages, 0 if not.
     layout : {"NHD", "HND"}
         Axis order inside a page, as FlashInfer's ``kv_layout``.
+    max_tokens : int, optional
+        An upper bound of every sequence's length (an engine's context limit): what the GPU
+        kernels plan their launches and workspace for (:attr:`PagedKV.token_bound`). A
+        longer sequence is a ``ValueError`` when the values are checked; unchecked on a GPU,
+        the kernels read only its first ``max_tokens`` tokens.
     check_values : bool
         For GPU index arrays, also check their values (copies them to the host: a
         synchronisation). Host (NumPy) index arrays are always checked.
@@ -231,7 +252,10 @@ def paged_kv(k_pages, v_pages=None, *, kv_indptr, kv_indices, kv_last_page_len, 
                 f"`k_pages` without `v_pages` must be the combined cache {_COMBINED_AXES[layout]} "
                 f"with 2 on axis 1 (layout {layout!r}), got shape {_shape(k_pages)}{hint}")
         k_pages, v_pages = k_pages[:, 0], k_pages[:, 1]
-    cache = PagedKV(k_pages, v_pages, kv_indptr, kv_indices, kv_last_page_len, layout)
+    if max_tokens is not None:
+        max_tokens = val.check_positive_int("max_tokens", max_tokens)
+    cache = PagedKV(k_pages, v_pages, kv_indptr, kv_indices, kv_last_page_len, layout,
+                    max_tokens)
     if check_values and cache.device != "cpu":
         _check_values(cache)
     return cache
@@ -333,6 +357,12 @@ def _check_values(c: PagedKV) -> None:
         b = _first(bad)
         raise ValueError(f"`kv_last_page_len` must be 0 for a sequence with no pages, got "
                          f"{int(last[b])} for sequence {b}")
+    if c.max_tokens is not None:
+        lens = np.where(has_pages, (step - 1) * page_size + last, 0)
+        if (lens > c.max_tokens).any():
+            b = _first(lens > c.max_tokens)
+            raise ValueError(f"`max_tokens` ({c.max_tokens}) must bound every sequence's length, "
+                             f"got {int(lens[b])} tokens in sequence {b}")
 
 
 # ---- the reference's view ------------------------------------------------------------------
@@ -453,7 +483,7 @@ def from_contiguous(k, v, seq_lens=None, *, page_size, layout="NHD", shuffle_see
     Returns
     -------
     PagedKV
-        int32 index arrays; pages of the dtype of ``k``.
+        int32 index arrays; pages of the dtype of ``k``; ``max_tokens`` N.
     """
     B, H, N, D = val.check_kv_inputs(k, v, seq_lens, dtypes=PAGE_DTYPES)
     page_size = val.check_positive_int("page_size", page_size)
@@ -482,7 +512,7 @@ def from_contiguous(k, v, seq_lens=None, *, page_size, layout="NHD", shuffle_see
     if layout == "HND":
         pool = np.ascontiguousarray(pool.transpose(0, 1, 3, 2, 4))
     table = dict(kv_indptr=indptr.astype(np.int32), kv_indices=indices.astype(np.int32),
-                 kv_last_page_len=last.astype(np.int32), layout=layout)
+                 kv_last_page_len=last.astype(np.int32), layout=layout, max_tokens=N)
     if combined:
         return paged_kv(pool, **table)
     return paged_kv(np.ascontiguousarray(pool[:, 0]), np.ascontiguousarray(pool[:, 1]), **table)

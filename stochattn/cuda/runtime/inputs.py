@@ -69,7 +69,14 @@ class Inputs:
 
 
 def gather(q, k, v) -> Inputs:
-    """Classify ``q, k, v`` and build the plan-cache key (attribute reads only)."""
+    """Classify ``q, k, v`` and build the plan-cache key (attribute reads only). ``k`` may
+    be a paged cache (then ``v`` is None): :class:`.pages.PagedInputs`, read in place."""
+    if type(k).__name__ == "PagedKV" and type(k).__module__ == "stochattn.paged":
+        if v is not None:
+            raise TypeError("with a paged cache (`k` a PagedKV) pass no `v`: the cache holds it")
+        from .pages import paged_inputs
+
+        return paged_inputs(q, k)
     ops, ops_k, ops_v = ops_for("q", q), ops_for("k", k), ops_for("v", v)
     if not (ops == ops_k == ops_v) and any(o is TORCH or o is CUPY for o in (ops, ops_k, ops_v)):
         raise TypeError("`q`, `k` and `v` must come from one framework (all PyTorch tensors or "
@@ -140,8 +147,9 @@ def base_plan(inp: Inputs, softmax_scale):
     ops = inp.ops
     metas = {}
     devices = []
+    given = getattr(inp, "metas", None)  # paged inputs: the virtual (B, Hkv, N, D) of k, v
     for name, a in (("q", inp.q), ("k", inp.k), ("v", inp.v)):
-        dtype, shape, dev = ops.meta(a)
+        dtype, shape, dev = given[name] if given else ops.meta(a)
         if dev < 0:
             raise ops.device_error(name, a)
         devices.append(dev)
@@ -341,7 +349,13 @@ def stream_for(inp: Inputs, device: int):
 
 def launch_args(inp, seq_lens, check_seq_lens, shape, device):
     """The per-call front of every plan's ``run`` (call it inside ``device_scope(device)``):
-    ``(q, k, v pointers, seq_lens pointer, the object keeping seq_lens alive, stream)``."""
+    ``(q, k, v pointers, seq_lens pointer, the object keeping seq_lens alive, stream)``.
+    With a paged cache ``k`` and ``v`` are the pools, seq_lens must be None (the page
+    table holds the lengths) and the null pointer is passed; :func:`.pages.page_args` gives
+    the table."""
+    if seq_lens is not None and not isinstance(inp, Inputs):
+        raise TypeError("with a paged cache (`k` a PagedKV) pass no `seq_lens`: the page table "
+                        "holds the lengths")
     qp, kp, vp = inp.pointers()
     lens, keep = seq_lens_pointer(inp, seq_lens, shape.batch, shape.tokens, device, check_seq_lens)
     return qp, kp, vp, lens, keep, stream_for(inp, device)

@@ -272,12 +272,14 @@ class ChunkMerge:
                                            D=head_dim),
                                 pdl=config.pdl)
 
-    def partials(self, ops, like, stream):
+    def partials(self, ops, like, stream, workspace=None, device=None):
         """``(scratch, partial outputs, (max, sum) pairs, counters)``: the buffer to keep
         alive until the launches are queued, and the three pointers the chunk kernel takes
-        (counters 0 when a merge launch follows)."""
-        scratch = ops.empty(like, (self.scratch_bytes,), "uint8")
-        po = ops.ptr(scratch)
+        (counters 0 when a merge launch follows). ``workspace``: where the partials live
+        (:func:`.workspace.scratch`; None allocates)."""
+        from .workspace import scratch as take
+
+        po, scratch = take(ops, like, self.scratch_bytes, workspace, device)
         cnt = self.counters.pointer(ops, like, stream) if self.counters is not None else 0
         return scratch, po, po + self.ml_offset, cnt
 
@@ -301,33 +303,51 @@ def split_kv(family: str, name: str, smem: int, config, shape, ctype: str, align
     return chunk, chunks, chunk_len, merge
 
 
+# The per-call arguments every split-KV chunk kernel takes first, in this order: the
+# inputs, the page table (kernels/kv_rows.cuh; zeros for contiguous caches), the output and
+# the partials.
+SPLIT_KV_VARIABLE = ("q", "k", "v", "seq_lens", "kv_indptr", "kv_indices", "kv_last_page_len",
+                     "page_size", "page_stride", "row_stride", "head_stride", "out", "part_o",
+                     "part_ml", "counters")
+
+
 class SplitKVPlan:
     """How a split-KV plan (exact decode, S²ANTA-flash) runs one call. A subclass sets
-    ``chunk`` (the :class:`Packed` chunk launch, whose per-call arguments start with q, k,
-    v, seq_lens, out, part_o, part_ml, counters), ``split`` (its :class:`ChunkMerge`, None
-    when one chunk writes the output itself), ``shape``, ``device`` and ``out_shape``."""
+    ``chunk`` (the :class:`Packed` chunk launch, whose per-call arguments start with
+    :data:`SPLIT_KV_VARIABLE`), ``split`` (its :class:`ChunkMerge`, None when one chunk
+    writes the output itself), ``shape``, ``device`` and ``out_shape``."""
 
-    def launch(self, inp, seq_lens, check_seq_lens, outputs=None):
+    def launch(self, inp, seq_lens, check_seq_lens, outputs=None, out=None, workspace=None):
         """Queue one call on the caller's stream; returns ``(out, results)``.
 
         ``outputs(ops, like)``: the call's other outputs, allocated on the inputs' device,
-        as ``(results, the chunk kernel's remaining per-call arguments)``."""
+        as ``(results, the chunk kernel's remaining per-call arguments)``. ``out`` and
+        ``workspace``: see :mod:`.workspace` (None: allocated)."""
         from . import inputs
+        from .pages import page_args
+        from .workspace import output
 
         ops = inp.ops
         with inputs.device_scope(self.device):
             qp, kp, vp, lens, _keep, stream = inputs.launch_args(inp, seq_lens, check_seq_lens,
                                                                  self.shape, self.device)
-            out = ops.empty(inp.q, self.out_shape)
+            pages = page_args(inp)
+            out = output(ops, inp.q, self.out_shape, None, out, self.device)
             outp = ops.ptr(out)
             results, tail = outputs(ops, inp.q) if outputs is not None else ((), ())
             if self.split is None:  # one chunk: the kernel writes `out`, no partials
-                self.chunk(stream, qp, kp, vp, lens, outp, 0, 0, 0, *tail)
+                self.chunk(stream, qp, kp, vp, lens, *pages, outp, 0, 0, 0, *tail)
             else:
-                _scratch, po, pml, cnt = self.split.partials(ops, inp.q, stream)
-                self.chunk(stream, qp, kp, vp, lens, outp, po, pml, cnt, *tail)
+                _scratch, po, pml, cnt = self.split.partials(ops, inp.q, stream, workspace,
+                                                             self.device)
+                self.chunk(stream, qp, kp, vp, lens, *pages, outp, po, pml, cnt, *tail)
                 self.split.finish(stream, po, pml, outp)
         return out, results
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Workspace bytes of one call (the chunk partials; 0 with one chunk)."""
+        return 0 if self.split is None else self.split.scratch_bytes
 
 
 def align(nbytes: int, to: int = 256) -> int:
