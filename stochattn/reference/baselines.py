@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import logits, masked_weights, valid_mask
+from .common import logits, masked_weights, propagate_nonfinite, valid_mask
 
 __all__ = [
     "topk_mask",
@@ -160,7 +160,14 @@ def attend_subset(x: np.ndarray, v, mask: np.ndarray) -> np.ndarray:
     z = w.sum(axis=-1, keepdims=True)
     a = np.divide(w, z, out=np.zeros_like(w), where=z > 0)
     ag = a.reshape(B, Hkv, Hq // Hkv, N)
-    return np.einsum("bkgn,bknd->bkgd", ag, np.asarray(v, dtype=np.float64)).reshape(B, Hq, D)
+    # Only the selected rows are read: a non-finite value row reaches the heads that select
+    # it (NaN rows), and no other (0 * inf would be NaN).
+    vv = np.asarray(v, dtype=np.float64)
+    bad_v = ~np.isfinite(vv).all(axis=-1)  # (B, Hkv, N)
+    out = np.einsum("bkgn,bknd->bkgd", ag, np.where(bad_v[..., None], 0.0, vv))
+    read_bad = (mask.reshape(B, Hkv, Hq // Hkv, N) & bad_v[:, :, None, :]).any(axis=-1)
+    out[read_bad] = np.nan
+    return out.reshape(B, Hq, D)
 
 
 def selected_mass(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -175,7 +182,7 @@ def topk_attention(q, k, v, lens, scale, k_tokens):
     """Oracle top-k; returns ``(out, x, mask)`` with ``x`` the logits (B, Hq, N)."""
     x = logits(q, k, lens, scale)
     mask = topk_mask(x, lens, k_tokens)
-    return attend_subset(x, v, mask), x, mask
+    return propagate_nonfinite(attend_subset(x, v, mask), q, k, lens), x, mask
 
 
 def quest_attention(q, k, v, lens, scale, budget, page_size):
@@ -184,7 +191,7 @@ def quest_attention(q, k, v, lens, scale, budget, page_size):
     bounds = quest_page_bounds(q, k, lens, page_size, scale)
     pages_kept = -(-int(budget) // int(page_size))
     mask = quest_mask(bounds, lens, pages_kept, page_size, k.shape[2])
-    return attend_subset(x, v, mask), x, mask
+    return propagate_nonfinite(attend_subset(x, v, mask), q, k, lens), x, mask
 
 
 def top_p_attention(q, k, v, lens, scale, p):
@@ -192,4 +199,4 @@ def top_p_attention(q, k, v, lens, scale, p):
     x = logits(q, k, lens, scale)
     w, _ = masked_weights(x)
     mask = top_p_mask(w, lens, p)
-    return attend_subset(x, v, mask), x, mask
+    return propagate_nonfinite(attend_subset(x, v, mask), q, k, lens), x, mask

@@ -14,6 +14,8 @@ __all__ = [
     "kv_head_of",
     "union_rows_per_kv_head",
     "finish",
+    "nonfinite_rows",
+    "propagate_nonfinite",
 ]
 
 
@@ -54,6 +56,28 @@ def masked_weights(x: np.ndarray):
     m = np.where(np.isfinite(m), m, 0.0)
     w = np.exp(x - m)  # exp(-inf) = 0 for masked tokens
     return w, m
+
+
+def nonfinite_rows(q, k, lens: np.ndarray) -> np.ndarray:
+    """(B, Hq) bool: query row ``q[b, h]`` or a key its head reads (``k[b, h // G, :len_b]``)
+    holds a NaN or an infinity. Past ``seq_lens`` nothing is read, so nothing counts."""
+    B, Hq, _ = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    bad_q = ~np.isfinite(np.asarray(q)).all(axis=-1)
+    bad_k = ~np.isfinite(np.asarray(k)).all(axis=-1) & valid_mask(lens, N)  # (B, Hkv, N)
+    return bad_q | np.repeat(bad_k.any(axis=-1), Hq // Hkv, axis=1)
+
+
+def propagate_nonfinite(out: np.ndarray, q, k, lens: np.ndarray) -> np.ndarray:
+    """``out`` (B, Hq, D) with NaN rows where :func:`nonfinite_rows` holds: non-finite
+    queries or keys propagate to the heads that read them, as torch SDPA's do, never a
+    zero row or a finite wrong answer (docs/conventions.md, non-finite input). Values
+    propagate by themselves where they are read."""
+    rows = nonfinite_rows(q, k, lens)
+    if rows.any():
+        out = np.array(out, copy=True)
+        out[rows] = np.nan
+    return out
 
 
 def kv_head_of(q_heads: int, kv_heads: int) -> np.ndarray:

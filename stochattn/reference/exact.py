@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import lengths, logits, masked_weights
+from .common import lengths, logits, masked_weights, propagate_nonfinite
 
 __all__ = ["exact_attention", "attention_weights"]
 
@@ -18,9 +18,15 @@ def attention_weights(q, k, seq_lens, scale):
 
 
 def exact_attention(q, k, v, seq_lens, scale):
-    """o[b, h] = sum_j A[b, h, j] v[b, h // G, j] in float64; zeros for empty sequences."""
+    """o[b, h] = sum_j A[b, h, j] v[b, h // G, j] in float64; zeros for empty sequences;
+    NaN rows for heads that read a non-finite query or key (``propagate_nonfinite``), and
+    a non-finite visible value row reaches every head of its group (0 * NaN is NaN)."""
     B, Hq, D = q.shape
     Hkv = k.shape[1]
     A = attention_weights(q, k, seq_lens, scale)
     Ag = A.reshape(B, Hkv, Hq // Hkv, -1)
-    return np.einsum("bkgn,bknd->bkgd", Ag, np.asarray(v, dtype=np.float64)).reshape(B, Hq, D)
+    vv = np.asarray(v, dtype=np.float64)
+    lens = lengths(seq_lens, B, k.shape[2])
+    vv = np.where(np.arange(k.shape[2])[None, None, :, None] < lens[:, None, None, None], vv, 0.0)
+    out = np.einsum("bkgn,bknd->bkgd", Ag, vv).reshape(B, Hq, D)
+    return propagate_nonfinite(out, q, k, lens)

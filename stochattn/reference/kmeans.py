@@ -185,6 +185,19 @@ def kmeans(keys: np.ndarray, n_clusters: int, iterations: int, order: np.ndarray
     return centroids, nearest_centroid(keys, centroids, live), live
 
 
+def check_finite_keys(k, lens) -> None:
+    """An index is never built over non-finite keys (a NaN centroid would poison every
+    decode that reads it): a ``ValueError`` naming the first bad (sequence, head, token).
+    Keys past ``seq_lens`` are not read and do not count."""
+    k = np.asarray(k)
+    bad = ~np.isfinite(k).all(axis=-1) & (np.arange(k.shape[2])[None, None, :]
+                                          < np.asarray(lens)[:, None, None])
+    if bad.any():
+        b, h, t = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"`k` holds a non-finite key (NaN or inf) at sequence {b}, head {h}, "
+                         f"token {t}: an index cannot cluster it")
+
+
 def build_index(k, v, lens, n_clusters, iterations, n_sink, window, seed, tol=DEFAULT_TOL):
     """Arrays of a Double-P index (see the module docstring; ``tol`` is the early-stop
     tolerance, checked by :func:`check_tol`).
@@ -198,6 +211,7 @@ def build_index(k, v, lens, n_clusters, iterations, n_sink, window, seed, tol=DE
     B, Hkv, N, D = k.shape
     C = n_clusters
     tol = check_tol(tol)
+    check_finite_keys(k, lens)
     lens = np.asarray(lens, dtype=np.int64)
     ws = window_starts(lens, n_sink, window)
     centroids = np.zeros((B, Hkv, C, D))

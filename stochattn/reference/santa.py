@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..spec import SCHEDULES, SCORES
-from .common import kv_head_of, lengths, logits, masked_weights
+from .common import kv_head_of, lengths, logits, masked_weights, propagate_nonfinite
 from .samplers import invert_cdf, sample_points
 
 __all__ = [
@@ -377,8 +377,8 @@ def santa_attention(q, k, v, seq_lens, scale: float, *, budget: int, sampler: st
     else:
         raise ValueError(f"`schedule` must be one of {', '.join(map(repr, SCHEDULES))}, got {schedule!r}")
 
-    # Empty sequences: a zero output row, nothing read.
-    out = np.where(nonempty[:, None, None], out, 0.0)
+    # Empty sequences: a zero output row, nothing read; non-finite queries or keys: NaN rows.
+    out = propagate_nonfinite(np.where(nonempty[:, None, None], out, 0.0), q, k, lens)
     read &= nonempty[:, None, None]
 
     # True mass of the rows read, under exact attention (exact logits even for Bernoulli).
@@ -535,7 +535,7 @@ def santa_attention_per_head(q, k, v, seq_lens, scale: float, *, budget, sampler
             out[mask], read[mask] = o_S[mask], read_S[mask]
             samples[mask], waste[mask] = samples_S[mask], waste_S[mask]
 
-    out = np.where(nonempty[:, None, None], out, 0.0)
+    out = propagate_nonfinite(np.where(nonempty[:, None, None], out, 0.0), q, k, lens)
     read &= nonempty[:, None, None]
     w_exact, _ = masked_weights(x_exact)
     z_exact = w_exact.sum(axis=-1)
