@@ -148,6 +148,24 @@ def evaluate(config: Config, exact: np.ndarray, seeds: int) -> dict:
     }
 
 
+# What every printed column and note means (printed under the table).
+LEGEND = """
+columns:
+  rel. L2 err  ||o_hat - o|| / ||o|| per (sequence, query head) against exact attention in
+               float64, mean over heads (and over seeds for stochastic rows, +- its standard error)
+  K rows       fraction of the sequence's key rows read per KV head (union over the GQA group)
+  V rows       the same for value rows
+  mass         exact softmax mass of the tokens the method computes or samples (1 = all of it)
+notes:
+  waste        S2ANTA-flash: fraction of draws in excess of each tile's proportional share (every
+               tile draws ceil(S/T) points without a global sync; the merge reweights them, so
+               the estimate stays unbiased but those draws add little; docs/estimators.md)
+  K feat       Bernoulli scores: fraction of key features read to estimate q.k
+  |Cp|         Double-P / top-k clusters: clusters selected by the first top-p (p1), mean per head
+  |Cex|        Double-P: of those, clusters computed token by token (the second top-p, p2);
+               the others are read through their centroid summary
+"""
+
 NOTE_LABELS = {"sample_waste": "waste", "k_feature_fraction": "K feat",
                "clusters_selected": "|Cp|", "clusters_exact": "|Cex|"}
 
@@ -205,7 +223,8 @@ def main(argv=None) -> int:
     for name, why in unavailable:
         print(f"{name:<18} (not available: {why})")
     elapsed = time.perf_counter() - t0
-    print(f"\n{len(rows)} rows in {elapsed:.1f} s")
+    print(LEGEND)
+    print(f"{len(rows)} rows in {elapsed:.1f} s")
 
     if args.json:
         doc = {
