@@ -24,6 +24,8 @@ ROUTINES = {
     "decode": ("bench_decode", "one decode step: exact, S2ANTA-prop and -flash against "
                "FlashInfer, torch SDPA and the copy floor", "GPU, torch, cupy"),
     "decode-report": ("report_decode", "the markdown table of a decode run's JSON", "-"),
+    "paged": ("bench_paged", "paged against contiguous caches for every estimator, FlashInfer's "
+              "paged decode on the same pages", "GPU, torch, cupy"),
     "doublep": ("bench_doublep", "Double-P decode (index, attention, sampling) against the "
                 "same baselines", "GPU, torch, cupy"),
     "kmeans": ("bench_kmeans", "the Double-P index's k-means prefill against SDPA's prefill",
