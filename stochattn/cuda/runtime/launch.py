@@ -18,7 +18,7 @@ from .. import config as _config
 from .. import kernels
 from ..kernels import abi
 
-__all__ = ["get_kernel", "Launcher", "Packed", "ctas_per_sm", "num_sms", "choose_chunks",
+__all__ = ["get_kernel", "prefetch", "Launcher", "Packed", "ctas_per_sm", "num_sms", "choose_chunks",
            "split_tokens", "split_kv"]
 
 _lock = threading.Lock()
@@ -57,6 +57,29 @@ def _module(family: str, name: str, config=None):
         with _lock:
             mod = _modules.setdefault(key, mod)
     return mod
+
+
+def prefetch(family: str, names, config=None) -> None:
+    """Compile the instantiations ``names`` of ``family`` that are not compiled yet, in
+    parallel threads (NVRTC runs without the GIL), so a plan that launches several kernels
+    waits for the slowest compile instead of their sum on its first use."""
+    import cupy
+
+    names = [n for n in dict.fromkeys(names)]
+    if len(names) < 2:
+        for n in names:
+            _module(family, n, config)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    dev = cupy.cuda.Device().id
+
+    def compile_one(name):
+        with cupy.cuda.Device(dev):
+            _module(family, name, config)
+
+    with ThreadPoolExecutor(max_workers=min(8, len(names))) as pool:
+        list(pool.map(compile_one, names))
 
 
 def get_kernel(family: str, name: str, config=None):
