@@ -1,9 +1,11 @@
 // Pieces shared by the decode kernels: element types, 16-byte vector conversions,
 // cp.async (sm_80+) helpers and the tiling constants of one KV stream.
 //
-// Layout (docs): q (B, Hq, D); k, v (B, Hkv, N, D) contiguous; query head h reads KV head
-// h / G. Offsets into k and v are 64-bit (contexts up to 1M tokens and beyond).
+// Layout (docs): q (B, Hq, D); k, v (B, Hkv, N, D) contiguous, or paged (kv_rows.cuh: the
+// loaders below take a stream's KvRows); query head h reads KV head h / G. Offsets into k
+// and v are 64-bit (contexts up to 1M tokens and beyond).
 #pragma once
+#include "kv_rows.cuh"
 
 // No CUDA headers are included: the sources compile with a bare NVRTC (the
 // nvidia-cuda-nvrtc wheel ships no cuda_fp16.h), and the element types are plain 16-bit
@@ -191,6 +193,39 @@ __device__ __forceinline__ void load_tile_async(unsigned char* stage, const unsi
   using Tl = Tiling<D>;
   load_rows_async<D, Tl::kRowsPerThread, Tl::kRowGroups>(
       stage, base, row0, end, threadIdx.x / Tl::kLanesPerRow, threadIdx.x % Tl::kLanesPerRow, need);
+}
+
+// The same pieces of the rows of one stream that may be paged (kv_rows.cuh): a contiguous
+// stream takes the base-pointer path above (the same addresses and instructions, behind
+// one uniform branch); a paged one finds each valid row through the page table (rows at or
+// past `end` read nothing, not even their page number: they may lie past the sequence's
+// pages).
+template <int D, int RPT, int RG>
+__device__ __forceinline__ void load_rows_async(unsigned char* stage, const KvRows<D>& rows,
+                                                long long row0, long long end, int rg, int lr,
+                                                bool need = true) {
+  if (!rows.pages) {
+    load_rows_async<D, RPT, RG>(stage, rows.base, row0, end, rg, lr, need);
+    return;
+  }
+  constexpr int kRowBytes = D * 2;
+  const long long first = row0 + rg;
+  unsigned char* dst0 = stage + rg * kRowBytes + lr * 16;
+#pragma unroll
+  for (int p = 0; p < RPT; ++p) {
+    const long long n = first + p * RG;
+    const bool valid = need && n < end;
+    const unsigned char* src = valid ? rows.row(n) + lr * 16 : rows.base;
+    cp_async16(dst0 + p * RG * kRowBytes, src, valid);
+  }
+}
+
+template <int D>
+__device__ __forceinline__ void load_tile_async(unsigned char* stage, const KvRows<D>& rows,
+                                                long long row0, long long end, bool need = true) {
+  using Tl = Tiling<D>;
+  load_rows_async<D, Tl::kRowsPerThread, Tl::kRowGroups>(
+      stage, rows, row0, end, threadIdx.x / Tl::kLanesPerRow, threadIdx.x % Tl::kLanesPerRow, need);
 }
 
 // The stage buffers live in dynamic shared memory (sizes above 48 KB need the opt-in the

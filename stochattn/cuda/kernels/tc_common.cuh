@@ -1,6 +1,7 @@
 // Tensor-core building blocks of the decode kernels (exact_decode_tc.cu, santa_prop.cu):
 // mma.sync m16n8k16 with the GQA group's query heads as the M dimension (rows 8..15 zero),
-// ldmatrix from XOR-swizzled tiles, per-warp cp.async tile loads. Inline PTX only.
+// ldmatrix from XOR-swizzled tiles, per-warp cp.async tile loads (of contiguous or paged
+// streams, kv_rows.cuh). Inline PTX only.
 #pragma once
 #include "decode_common.cuh"
 
@@ -81,6 +82,29 @@ __device__ __forceinline__ void load_rows(unsigned char* dst, const unsigned cha
     const bool valid = row0 + r < end;
     const long long off = valid ? (row0 + r) * (D * 2) + c * 16 : 0;  // a legal address
     cp_async16(dst + swz<D>(r, c), base + off, valid);
+  }
+}
+
+// The same tile of a stream that may be paged (kv_rows.cuh): contiguous streams take the
+// base-pointer path above behind one uniform branch; a paged one finds each valid row
+// through the page table (rows at or past `end` read nothing, not even their page number).
+template <int D, int ROWS>
+__device__ __forceinline__ void load_rows(unsigned char* dst, const KvRows<D>& rows,
+                                          long long row0, long long end, int lane) {
+  if (!rows.pages) {
+    load_rows<D, ROWS>(dst, rows.base, row0, end, lane);
+    return;
+  }
+  constexpr int kPieces = D / 8;  // 16-byte pieces per row
+  constexpr int kPerLane = ROWS * kPieces / 32;
+  static_assert(kPerLane * 32 == ROWS * kPieces, "a tile must split evenly over the lanes");
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    const int p = lane + 32 * j;
+    const int r = p / kPieces, c = p % kPieces;
+    const bool valid = row0 + r < end;
+    const unsigned char* src = valid ? rows.row(row0 + r) + c * 16 : rows.base;
+    cp_async16(dst + swz<D>(r, c), src, valid);
   }
 }
 
