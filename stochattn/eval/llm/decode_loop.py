@@ -538,6 +538,7 @@ class GenerateResult:
     offset_start: int = 0
     offset_end: int = 0
     first_logits: object = None   # (B, V) float32 torch tensor of the first step (a copy)
+    last_logits: object = None    # (B, V) float32 torch tensor of the last step (a copy)
     options: dict = field(default_factory=dict)
 
     @property
@@ -717,18 +718,22 @@ class DecodeSession:
         if self.prefill_len + max(n_new, warmup, 1) > self.max_tokens:
             raise ValueError("n_new does not fit the cache: raise max_tokens")
         first_logits = None
+        cuda = torch.device(self.device).type == "cuda"
+        if graph and not cuda:
+            raise ValueError("graph=True needs a CUDA device")
         with torch.no_grad():
             if keep_first_logits:  # one eager step from the start state
                 self._restart(be)
                 self.step(be)
                 first_logits = self.logits.clone()
-            side = torch.cuda.Stream(device=self.device)
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):   # warm-up: plans, launch caches, compiles
-                self._restart(be)
-                for _ in range(max(1, warmup)):
-                    self.step(be)
-            torch.cuda.current_stream().wait_stream(side)
+            if cuda:
+                side = torch.cuda.Stream(device=self.device)
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):   # warm-up: plans, launch caches, compiles
+                    self._restart(be)
+                    for _ in range(max(1, warmup)):
+                        self.step(be)
+                torch.cuda.current_stream().wait_stream(side)
             graph_obj = None
             if graph:
                 self._restart(be)
@@ -736,24 +741,30 @@ class DecodeSession:
                 with torch.cuda.graph(graph_obj):
                     self.step(be)
             self._restart(be)
-            torch.cuda.synchronize()
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
+            if cuda:
+                torch.cuda.synchronize()
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
             if graph:
                 for _ in range(n_new):
                     graph_obj.replay()
             else:
                 for _ in range(n_new):
                     self.step(be)
-            end.record()
-            torch.cuda.synchronize()
-        seconds = start.elapsed_time(end) / 1e3
+            if cuda:
+                end.record()
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        seconds = start.elapsed_time(end) / 1e3 if cuda else wall
         tokens = self.out_tokens[:n_new].cpu().numpy().copy()
+        last_logits = self.logits.clone()
         res = GenerateResult(backend=be.name, graph=bool(graph), tokens=tokens, seconds=seconds,
                              tokens_per_s=self.batch * n_new / seconds if seconds > 0 else 0.0,
                              offset_start=self.offset0, offset_end=int(self.offset.item()),
-                             first_logits=first_logits, options=be.options())
+                             first_logits=first_logits, last_logits=last_logits,
+                             options=be.options())
         del graph_obj
         return res
 
