@@ -137,16 +137,47 @@ def _heads(q, k, v, lens, index):
 
 
 def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, seed, offset,
-                      scale, sample_order="position"):
+                      scale, sample_order="position", mass="paper", value="mean",
+                      mass_alpha=1.0, mass_stats=None, mass_rank=4, mass_sub=4,
+                      mass_diagnostics=False):
     """Double-P decode output (B, Hq, D) float64 and a dict of diagnostics arrays.
 
     ``index`` is a :class:`stochattn.doublep.DoublePIndex` (only its arrays are read).
     ``sample_order`` (studies only; the library and the GPU use "position"): the order of
     C_approx's tokens under the draws' CDF, "position" (ascending) or "cluster" (clusters
     in selection order, positions ascending inside a cluster; the order before 2026-12-03).
+
+    Cluster mass estimators (issue 31; studies on the reference, no GPU path yet):
+
+    - ``mass``: how log Zhat_i, the cluster scores ``xbar`` of both stages and the
+      pseudo-token logits of the centroid variant, are computed; one of
+      :data:`stochattn.reference.cluster_mass.MASS_ESTIMATORS`. ``"paper"`` (default) is
+      the paper's ``scale q.C_i + log s_i`` and the code path above, unchanged bit for bit;
+      ``"exact"`` is an oracle (the members' logsumexp, reading every key); the others use
+      per-cluster statistics of the members (:mod:`.cluster_mass`), taken from
+      ``mass_stats`` (a :class:`~.cluster_mass.ClusterStats` with leading (B, Hkv), as
+      :func:`~.cluster_mass.index_stats` returns; what an index would carry) or computed
+      here from the keys and the index's labels with ``mass_rank`` principal directions
+      and ``mass_sub`` sub-clusters. ``mass_alpha`` scales the quadratic corrections.
+    - ``value`` (centroid variant): the pseudo-token's value, ``"mean"`` (the index's
+      value means, default), ``"tilt"`` (:func:`~.cluster_mass.value_tilt`) or ``"sub"``
+      (:func:`~.cluster_mass.value_sub`).
+    - ``mass_diagnostics``: add per query head ``cluster_true_mass`` (the true mass of
+      C_p's tokens among all clustered tokens, comparable with ``estimated_mass``) and
+      ``approx_log_mass_error`` (``log sum_{C_approx} Zhat_i - log sum_{C_approx} Z_i``;
+      0 when C_approx is empty).
     """
     if sample_order not in ("position", "cluster"):
         raise ValueError(f"`sample_order` must be 'position' or 'cluster', got {sample_order!r}")
+    from . import cluster_mass as _cm
+
+    if mass not in _cm.MASS_ESTIMATORS:
+        raise ValueError(f"`mass`: expected one of {_cm.MASS_ESTIMATORS}, got {mass!r}")
+    if value not in _cm.VALUE_ESTIMATES:
+        raise ValueError(f"`value`: expected one of {_cm.VALUE_ESTIMATES}, got {value!r}")
+    needs_stats = mass not in ("paper", "exact") or value != "mean"
+    if needs_stats and mass_stats is None:
+        mass_stats = _cm.index_stats(k, v, lens, index, rank=mass_rank, n_sub=mass_sub)
     B, Hq, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -159,6 +190,9 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
                                purpose=PURPOSE_CLUSTER_SAMPLER, heads=Hq)  # (B, Hq, budget)
         diag["sample_indices"] = np.full((B, Hq, budget), -1, dtype=np.int64)  # -1: no draw
     value_means = index.value_means  # VS_i / s_i, 0 for empty clusters
+    if mass_diagnostics:
+        diag["cluster_true_mass"] = np.zeros((B, Hq))
+        diag["approx_log_mass_error"] = np.zeros((B, Hq))
     for b, kvh, L, base, K, V, offsets, token_ids in _heads(q, k, v, lens, index):
         sizes = index.sizes[b, kvh]
         means = value_means[b, kvh]
@@ -166,7 +200,21 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
             h = kvh * G + g
             x = (K @ q64[b, h]) * scale  # exact logits of the whole sequence, (L,)
             ids, xbar = cluster_scores(q64[b, h], index.centroids[b, kvh], sizes, scale)
+            st = _cm.stats_at(mass_stats, b, kvh, ids) if needs_stats else None
+            if mass != "paper":
+                xbar = _cm.log_mass(mass, q64[b, h], scale=scale, centroids=None,
+                                    sizes=sizes[ids], stats=st, alpha=mass_alpha, x=x,
+                                    offsets=offsets, token_ids=token_ids, ids=ids)
             order, n_p, n_e, cs = select_clusters(xbar, p1, p2)
+            if mass_diagnostics:
+                lz = _cm.log_mass_exact(x, offsets, token_ids, ids)
+                wz = np.exp(lz - lz.max()) if lz.size else lz
+                diag["cluster_true_mass"][b, h] = (wz[order[:n_p]].sum() / wz.sum()
+                                                   if n_p else 1.0)
+                sel = order[n_e:n_p]
+                if sel.size:
+                    diag["approx_log_mass_error"][b, h] = (np.logaddexp.reduce(xbar[sel])
+                                                           - np.logaddexp.reduce(lz[sel]))
             exact = np.concatenate([base, _tokens_of(ids[order[:n_e]], offsets, token_ids)])
             approx_ids = ids[order[n_e:n_p]]
             xe = x[exact]
@@ -174,7 +222,13 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
                 xa = xbar[order[n_e:n_p]]  # pseudo-token logits log Zhat_i
                 m = max(xe.max(initial=-np.inf), xa.max(initial=-np.inf))  # common max shift
                 we, wa = np.exp(xe - m), np.exp(xa - m)
-                num = we @ V[exact] + wa @ means[approx_ids]
+                if value == "mean":
+                    va = means[approx_ids]
+                else:
+                    sa = _cm.stats_at(st, order[n_e:n_p])
+                    va = (_cm.value_tilt(q64[b, h], means[approx_ids], sa, scale, mass_alpha)
+                          if value == "tilt" else _cm.value_sub(q64[b, h], sa, scale))
+                num = we @ V[exact] + wa @ va
                 den = we.sum() + wa.sum()
                 approx_tokens = _tokens_of(approx_ids, offsets, token_ids)
                 v_extra = np.zeros(0, dtype=np.int64)
