@@ -2,33 +2,99 @@
 item 4): the first call of each GPU estimator (compile included) against its second call.
 
 Run twice in a row from the repository root, each in a fresh process: the first run fills
-CuPy's kernel cache on disk, the second shows what a later process waits.
+CuPy's kernel cache and the k-means kernels' disk cache (stochattn/cuda/kmeans/diskcache.py),
+the second shows what a later process waits.
 
-    python -m tools.first_use [--out FILE.json]
+    python -m tools.first_use [--out FILE.json] [--no-index-processes]
+
+It also runs the Double-P index build alone in two more fresh processes that share an
+empty temporary ``NUMBA_CACHE_DIR`` (row ``doublep_index_processes``): "cold", which
+compiles the k-means kernels and saves them, and "warm", which loads them; each reports
+its first and second build, and how many kernels it loaded from disk and compiled.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
+
+B, HQ, HKV, N, D = 1, 32, 8, 4096, 128
+
+
+def _inputs(cp):
+    rng = cp.random.default_rng(0)
+    q = rng.standard_normal((B, HQ, D), dtype=cp.float32).astype(cp.float16)
+    k = rng.standard_normal((B, HKV, N, D), dtype=cp.float32).astype(cp.float16)
+    v = rng.standard_normal((B, HKV, N, D), dtype=cp.float32).astype(cp.float16)
+    cp.cuda.Device().synchronize()
+    return q, k, v
+
+
+def _twice(call, cp) -> dict:
+    times = []
+    for _ in range(2):
+        t = time.perf_counter()
+        call()
+        cp.cuda.Device().synchronize()
+        times.append(time.perf_counter() - t)
+    return {"first_s": round(times[0], 3), "second_s": round(times[1], 4)}
+
+
+def index_only() -> dict:
+    """The Double-P index build alone (the ``--index-only`` child process)."""
+    t_import = time.perf_counter()
+    import cupy as cp
+
+    import stochattn
+    from stochattn.cuda.kmeans import diskcache, kernels
+
+    _, k, v = _inputs(cp)
+    row = {"import_and_inputs_s": round(time.perf_counter() - t_import, 3)}
+    row.update(_twice(lambda: stochattn.build_doublep_index(k, v, n_clusters=N // 32), cp))
+    row["kernels_loaded"], row["kernels_compiled"] = diskcache.counts(kernels)
+    return row
+
+
+def index_processes() -> dict:
+    """Cold and warm first index builds: two child processes, one empty cache directory."""
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="stochattn-first-use-") as tmp:
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("STOCHATTN_KMEANS_CACHE", "NUMBA_ENABLE_CUDASIM")}
+        env["NUMBA_CACHE_DIR"] = tmp
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        for name in ("cold", "warm"):
+            proc = subprocess.run([sys.executable, "-m", "tools.first_use", "--index-only"],
+                                  cwd=root, env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"the {name} index process failed:\n{proc.stderr[-4000:]}")
+            out[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--no-index-processes", action="store_true",
+                    help="skip the cold and warm index builds in child processes")
+    ap.add_argument("--index-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.index_only:
+        row = index_only()
+        print(json.dumps(row))
+        return row
     t_import = time.perf_counter()
     import cupy as cp
 
     import stochattn
 
-    B, Hq, Hkv, N, D = 1, 32, 8, 4096, 128
-    rng = cp.random.default_rng(0)
-    q = rng.standard_normal((B, Hq, D), dtype=cp.float32).astype(cp.float16)
-    k = rng.standard_normal((B, Hkv, N, D), dtype=cp.float32).astype(cp.float16)
-    v = rng.standard_normal((B, Hkv, N, D), dtype=cp.float32).astype(cp.float16)
-    cp.cuda.Device().synchronize()
+    q, k, v = _inputs(cp)
     rows = {"import_and_inputs_s": time.perf_counter() - t_import}
     index = {}
 
@@ -44,14 +110,11 @@ def main(argv=None) -> dict:
         "doublep_decode": lambda: stochattn.doublep_attention(q, k, v, index=index["ix"]),
     }
     for name, call in calls.items():
-        times = []
-        for _ in range(2):
-            t = time.perf_counter()
-            call()
-            cp.cuda.Device().synchronize()
-            times.append(time.perf_counter() - t)
-        rows[name] = {"first_s": round(times[0], 3), "second_s": round(times[1], 4)}
-    rows["total_first_s"] = round(sum(r["first_s"] for r in rows.values() if isinstance(r, dict)), 2)
+        rows[name] = _twice(call, cp)
+    rows["total_first_s"] = round(sum(r["first_s"] for r in rows.values()
+                                      if isinstance(r, dict)), 2)
+    if not args.no_index_processes:
+        rows["doublep_index_processes"] = index_processes()
     print(json.dumps(rows, indent=1))
     if args.out:
         with open(args.out, "w") as f:

@@ -5,6 +5,8 @@
   :mod:`.host`, read at every call) and :func:`clear_build_cache`;
 - :mod:`.build`: one build plan per configuration (prepared launches, scratch, the GEMM);
 - :mod:`.cache`: the plans lent to builds; :mod:`.kernels`: the Numba kernels;
+- :mod:`.diskcache`: the kernels' machine code on disk, for later processes
+  (:func:`clear_disk_cache`);
 - :mod:`.launch`: Numba launches prepared once (:class:`.launch.Bound`).
 
 ``import stochattn.cuda.kmeans`` imports no Numba (the names below load :mod:`.host` on
@@ -21,7 +23,8 @@ import numpy as np
 if not hasattr(np, "row_stack"):
     np.row_stack = np.vstack
 
-__all__ = ["kmeans_gpu", "clear_build_cache", "GEMM_SCRATCH_BYTES", "BUILD_CACHE_SIZE"]
+__all__ = ["kmeans_gpu", "clear_build_cache", "clear_disk_cache", "GEMM_SCRATCH_BYTES",
+           "BUILD_CACHE_SIZE"]
 
 
 def __getattr__(name):  # lazy: the host module imports Numba

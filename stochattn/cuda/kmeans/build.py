@@ -11,6 +11,7 @@ import warnings
 
 import numpy as np
 
+from . import diskcache as _diskcache
 from . import kernels as _k
 from .kernels import cuda
 from .launch import Bound
@@ -285,6 +286,9 @@ class BuildPlan:
     def __init__(self, kind, like, device, stream, stream_ptr, sizes: _Sizes, n_sink, window,
                  tol, lens_mode, views):
         z = sizes
+        # Preparing the launches compiles the kernels (or loads them from the disk cache
+        # of the current module constants: stochattn.cuda.kmeans.diskcache).
+        _diskcache.attach(_k)
         self.kind, self.stream, self.sizes, self.lens_mode = kind, stream, z, lens_mode
         self.C, self.D, self.H, self.N, self.R = z.C, z.D, z.H, z.N, z.R
         self.iterations, self.gemm, self.tol = z.iterations, z.gemm, tol

@@ -79,7 +79,10 @@ bytes, zeroed on the stream by every build). A later build of the same configura
 allocates its outputs and large scratch, rewrites the data pointers, the seed and the
 lengths in the prepared lists and launches: no Numba argument handling, no
 ``as_cuda_array`` for PyTorch and CuPy arrays. A plan serves one build at a time (another
-thread's build of the same configuration builds uncached).
+thread's build of the same configuration builds uncached). The kernels themselves are
+compiled once per process, or loaded from the disk cache of an earlier process
+(:mod:`stochattn.cuda.kmeans.diskcache`: keyed on the kernels' sources and module
+constants; off with ``STOCHATTN_KMEANS_CACHE=0``; :func:`clear_disk_cache`).
 
 Limits: ``B * Hkv < 65536`` (grid axis y). Memory, beyond the outputs: the float16 keys
 (H, N, D) and the score chunk for the GEMM path, and a few (H, N) integer arrays, all
@@ -95,12 +98,14 @@ from ... import _validation as val
 from ...spec import DEFAULT_TOL, check_tol
 from ..runtime.arrays import ArrayMeta
 from . import cache as _kmeans_cache
+from .diskcache import clear_disk_cache
 from . import kernels as _k
 from .build import BuildPlan as _BuildPlan
 from .build import _empty, _geometry, _Sizes, _stream_ptr, _use_gemm
 from .launch import array_layout
 
-__all__ = ["kmeans_gpu", "GEMM_SCRATCH_BYTES", "BUILD_CACHE_SIZE", "clear_build_cache"]
+__all__ = ["kmeans_gpu", "GEMM_SCRATCH_BYTES", "BUILD_CACHE_SIZE", "clear_build_cache",
+           "clear_disk_cache"]
 
 _SIM = _k.SIM
 _TPB = _k.TPB

@@ -40,6 +40,11 @@ from ...spec import PURPOSE_KMEANS_INIT, philox4x32_10
 
 # ---- launch geometry ------------------------------------------------------------------
 
+# Numba freezes the module-level values read by a kernel into its machine code at the first
+# compile; the disk cache (stochattn.cuda.kmeans.diskcache) keys its directories on every
+# number of this module (and on this file's contents), so changing one before the first
+# build compiles afresh instead of loading code made under another value.
+
 # The simulator runs every thread of a block as a Python thread: keep blocks small there.
 SIM = bool(_numba_config.ENABLE_CUDASIM)
 TPB = 32 if SIM else 256  # threads per block of the per-token kernels
