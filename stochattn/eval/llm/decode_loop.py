@@ -253,9 +253,12 @@ class DecodeModel:
     def rope_cos_sin(self, positions):
         """cos, sin (..., D/2) float32 of integer positions (any shape), angles in float64."""
         torch = _torch()
-        D = self.config.head_dim
-        inv = self.config.rope_theta ** (
-            -torch.arange(0, D, 2, dtype=torch.float64, device=positions.device) / D)
+        inv = getattr(self, "_inv_freq", None)
+        if inv is None or inv.device != positions.device:  # made once, outside any capture
+            D = self.config.head_dim
+            inv = self.config.rope_theta ** (
+                -torch.arange(0, D, 2, dtype=torch.float64, device=positions.device) / D)
+            self._inv_freq = inv
         ang = positions.to(torch.float64)[..., None] * inv
         return torch.cos(ang).float(), torch.sin(ang).float()
 
