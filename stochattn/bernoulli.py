@@ -6,7 +6,7 @@ import numpy as np
 
 from . import _validation as val
 from ._backend import backend_of, host_floats, host_ints, in_callers_framework, require_cupy
-from ._plan import Plan, advance, cached_plan, device_of, renamed
+from ._plan import Plan, advance, cached_plan, device_of, fill_out, is_paged, renamed
 from .diagnostics import Diagnostics
 from .reference import bernoulli as _ref
 from .reference.common import finish, lengths
@@ -18,8 +18,13 @@ class BernoulliPlan(Plan):
     """A plan of :func:`bernoulli_scores` (options as there; ``device``, ``q_heads``,
     ``kv_heads``, ``head_dim``, ``dtype`` as in :class:`~stochattn.SantaPlan`).
 
-    Calls take ``q`` and ``k`` only: ``plan.run(q, k, seq_lens=None, *, seed=0, offset=0)``
-    returns the scores (B, Hq, N); ``plan.diagnose(...)`` returns ``(scores, Diagnostics)``.
+    Calls take ``q`` and ``k`` only: ``plan.run(q, k, seq_lens=None, *, seed=0, offset=0,
+    out=None)`` returns the scores (B, Hq, N); ``plan.diagnose(...)`` returns ``(scores,
+    Diagnostics)``. ``k`` may be a :class:`stochattn.paged.PagedKV` (``seq_lens`` left out;
+    on the GPU read in place, N = its ``token_bound``). ``out``: the array the scores are
+    written to (NumPy on the reference). On the GPU the call allocates its fp32 scores and
+    the per-group features (a score estimate, not the serving path: S²ANTA-prop's
+    Bernoulli score stage takes them from its workspace), so ``workspace=`` is refused.
     """
 
     function = "bernoulli_scores"
@@ -47,11 +52,27 @@ class BernoulliPlan(Plan):
     def diagnose(self, q, k, seq_lens=None, **call):
         return self._call(q, k, None, seq_lens, True, call)
 
+    def _paged_cuda_missing(self) -> list[str]:
+        return []  # santa_prop_logits reads the pages in place
+
     def _run(self, backend, q, k, v, seq_lens, diagnose, call):
+        given_ws = call.get("workspace") is not None
+        out, _ = self._buffers(call)
+        if given_ws and backend == "cuda":
+            raise TypeError("`workspace`: bernoulli_scores takes none on the GPU (its call "
+                            "allocates its fp32 scores; see BernoulliPlan)")
         seed, offset = self._streams(backend, q, call)
-        run = _bernoulli_cuda if backend == "cuda" else _bernoulli_reference
-        result = run(q, k, seq_lens, self.bernoulli_draws, self.bernoulli_group_shared, seed,
-                     offset, self.check_finite, diagnose)
+        if backend == "cuda":
+            result = _bernoulli_cuda(q, k, seq_lens, self.bernoulli_draws,
+                                     self.bernoulli_group_shared, seed, offset,
+                                     self.check_finite, diagnose, out)
+        else:
+            result = _bernoulli_reference(q, k, seq_lens, self.bernoulli_draws,
+                                          self.bernoulli_group_shared, seed, offset,
+                                          self.check_finite, diagnose)
+            if out is not None:
+                result = ((fill_out(out, result[0]),) + result[1:] if diagnose
+                          else fill_out(out, result))
         if self.advance_offset:
             advance(offset)
         return result
@@ -179,19 +200,26 @@ def _bernoulli_reference(q, k, seq_lens, draws, group_shared, seed, offset, chec
 
 @in_callers_framework()
 def _bernoulli_cuda(q, k, seq_lens, draws, group_shared, seed, offset, check_finite,
-                    return_diagnostics):
-    """GPU arrays: stochattn.cuda.bernoulli (token-major K, pieces of unkept features skipped)."""
+                    return_diagnostics, out=None):
+    """GPU arrays: stochattn.cuda.bernoulli (token-major K, pieces of unkept features
+    skipped; a GPU PagedKV read in place)."""
     require_cupy("bernoulli_scores")
     from .cuda.bernoulli import bernoulli_scores_gpu
 
-    if check_finite:
-        val.check_finite(q=q, k=k)
+    paged = is_paged(k)
+    if check_finite:  # a paged cache's pools may hold anything in unused pages: not read
+        val.check_finite(q=q) if paged else val.check_finite(q=q, k=k)
     out, frac = bernoulli_scores_gpu(q, k, seq_lens, draws=draws, group_shared=group_shared,
-                                     seed=seed, offset=offset, check_seq_lens=check_finite)
+                                     seed=seed, offset=offset, check_seq_lens=check_finite,
+                                     out=out)
     if not return_diagnostics:
         return out
-    B, Hkv, N = int(k.shape[0]), int(k.shape[1]), int(k.shape[2])
-    lens = np.full(B, N, dtype=np.int64) if seq_lens is None else host_ints(seq_lens)
+    if paged:
+        B, Hkv, N = k.batch, k.kv_heads, k.token_bound
+        lens = np.clip(host_ints(k.seq_lens), 0, N)
+    else:
+        B, Hkv, N = int(k.shape[0]), int(k.shape[1]), int(k.shape[2])
+        lens = np.full(B, N, dtype=np.int64) if seq_lens is None else host_ints(seq_lens)
     rows = np.repeat(lens[:, None], Hkv, axis=1)
     return out, Diagnostics(seq_lens=lens, k_rows_read=rows, v_rows_read=np.zeros_like(rows),
                             k_feature_fraction=host_floats(frac))

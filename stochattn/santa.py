@@ -6,7 +6,7 @@ import numpy as np
 
 from . import _validation as val
 from ._backend import host_floats, host_ints, in_callers_framework, require_cupy
-from ._plan import Plan, advance, cached_plan, device_of
+from ._plan import Plan, advance, cached_plan, device_of, fill_out, is_paged
 from .diagnostics import Diagnostics
 from .reference import santa as _ref
 from .reference.common import finish, lengths, union_rows_per_kv_head
@@ -37,11 +37,27 @@ softmax_scale, check_finite
         an integer array. N calls with one array starting at o draw what N calls with
         offsets o, o + 1, ..., o + N - 1 draw: the form a captured CUDA graph needs (docs/plans.md; on the GPU the increment runs on the device, after the kernels).
 
-    Calls: ``plan.run(q, k, v, seq_lens=None, *, seed=0, offset=0)`` returns the output
-    (B, Hq, D); ``plan.diagnose(...)`` returns ``(output, Diagnostics)``. ``seed`` and
-    ``offset`` are ints, or integer arrays of shape () or (B,) (NumPy on the reference,
-    GPU arrays read by the kernels at run time on the GPU): sequence b then draws with
-    ``seed[b]`` and ``offset[b]`` (docs/rng.md).
+    Calls: ``plan.run(q, k, v, seq_lens=None, *, seed=0, offset=0, out=None,
+    workspace=None)`` returns the output (B, Hq, D); ``plan.diagnose(...)`` returns
+    ``(output, Diagnostics)``. ``seed`` and ``offset`` are ints, or integer arrays of shape
+    () or (B,) (NumPy on the reference, GPU arrays read by the kernels at run time on the
+    GPU): sequence b then draws with ``seed[b]`` and ``offset[b]`` (docs/rng.md).
+
+    ``k`` may be a :class:`stochattn.paged.PagedKV` (FlashInfer's layout) with ``v`` and
+    ``seq_lens`` left out: the reference reads a contiguous copy, the GPU kernels of both
+    schedules read the pages in place (N = the cache's ``token_bound``; same tokens and N,
+    same output as the contiguous call, bit for bit).
+
+    ``out``: the output array to write (the reference copies its result into a NumPy
+    ``out``; on the GPU the kernels write it: contiguous, q's dtype, GPU and framework).
+    ``workspace`` (GPU only): the call's scratch, a uint8 GPU array of at least the
+    schedule's workspace bytes; by default the plan keeps its own (:attr:`workspace`),
+    grown by the first call that needs more. So a plan called once eagerly, then with
+    ``out=``, allocates nothing, copies nothing to the host and does not synchronise
+    (diagnostics do all three). Workspace bytes, prop: about ``4 B Hq N`` for the fp32
+    logit stash plus ``24 B Hq N / tile_size + 4 B Hq S`` (``stochattn.cuda.santa``'s
+    docstring has the whole formula, ``stochattn.cuda.santa.workspace_bytes`` computes it);
+    flash: the split-KV partials (``stochattn.cuda.flash``).
 
     Raises
     ------
@@ -137,10 +153,19 @@ softmax_scale, check_finite
         inputs.check_gpu_budget(self.budget, 2**30 if self.schedule == "prop"
                                  else flash.FLASH_MAX_BUDGET)
 
+    def _paged_cuda_missing(self) -> list[str]:
+        return []  # both schedules' kernels read the pages in place
+
     def _run(self, backend, q, k, v, seq_lens, diagnose, call):
+        out, workspace = self._buffers(call)
         seed, offset = self._streams(backend, q, call)
-        run = _santa_cuda if backend == "cuda" else _santa_reference
-        result = run(q, k, v, seq_lens, self, seed, offset, diagnose)
+        if backend == "cuda":
+            result = _santa_cuda(q, k, v, seq_lens, self, seed, offset, diagnose, out, workspace)
+        else:
+            result = _santa_reference(q, k, v, seq_lens, self, seed, offset, diagnose)
+            if out is not None:
+                result = ((fill_out(out, result[0]),) + result[1:] if diagnose
+                          else fill_out(out, result))
         if self.advance_offset:
             advance(offset)
         return result
@@ -319,15 +344,21 @@ def _santa_reference(q, k, v, seq_lens, plan, seed, offset, diagnose):
 
 
 @in_callers_framework()
-def _santa_cuda(q, k, v, seq_lens, plan, seed, offset, return_diagnostics):
-    """GPU arrays: the S²ANTA-prop (exact or Bernoulli scores) and S²ANTA-flash kernels."""
+def _santa_cuda(q, k, v, seq_lens, plan, seed, offset, return_diagnostics, out=None,
+                workspace=None):
+    """GPU arrays: the S²ANTA-prop (exact or Bernoulli scores) and S²ANTA-flash kernels.
+    ``k`` may be a GPU PagedKV (``v``, ``seq_lens`` None): both schedules read it in place.
+    ``out`` and ``workspace`` go to the kernels' host modules (None: allocated)."""
     require_cupy("santa_attention")
+    paged = is_paged(k)
     if plan.check_finite:
-        val.check_finite(q=q, k=k, v=v)
+        # A paged cache's pools are not checked: their unused pages and slots may hold
+        # anything (the kernels never read them).
+        val.check_finite(q=q) if paged else val.check_finite(q=q, k=k, v=v)
     budget = plan.budget
     common = dict(budget=budget, sampler=plan.sampler, tile_size=plan.tile_size, seed=seed,
                   offset=offset, softmax_scale=plan.softmax_scale,
-                  check_seq_lens=plan.check_finite)
+                  check_seq_lens=plan.check_finite, out=out, workspace=workspace)
     if plan.schedule == "prop":
         from .cuda import santa_prop
 
@@ -355,8 +386,12 @@ def _santa_cuda(q, k, v, seq_lens, plan, seed, offset, return_diagnostics):
     # per-tile index slots with -1.
     idx = host_ints(idx)
     B = idx.shape[0]
-    Hkv, N = int(k.shape[1]), int(k.shape[2])
-    lens = np.full(B, N, dtype=np.int64) if seq_lens is None else host_ints(seq_lens)
+    if paged:
+        Hkv, N = k.kv_heads, k.token_bound
+        lens = np.clip(host_ints(k.seq_lens), 0, N)  # as the kernels clamp them
+    else:
+        Hkv, N = int(k.shape[1]), int(k.shape[2])
+        lens = np.full(B, N, dtype=np.int64) if seq_lens is None else host_ints(seq_lens)
     groups = idx.reshape(B, Hkv, -1)  # the draws of every query head of a KV group
     v_rows = np.array([[np.unique(g[g >= 0]).size if lens[b] > 0 else 0
                         for g in groups[b]] for b in range(B)], dtype=np.int64)

@@ -1,4 +1,38 @@
-"""S²ANTA-prop on the GPU: logits, tile statistics, sampling and gather (santa_prop.cu)."""
+"""S²ANTA-prop on the GPU: logits, tile statistics, sampling and gather (santa_prop.cu).
+
+Caches: contiguous ``(B, Hkv, N, D)`` K and V, or a GPU :class:`stochattn.paged.PagedKV`
+(FlashInfer's layout, read in place through the page table; ``N`` is then its
+``token_bound``, the host-known bound of the lengths, so an engine passes ``max_tokens``).
+The same tokens and N give the same draws and output, paged or contiguous, bit for bit.
+
+Workspace of one call (``_PropPlan.scratch_bytes``; each piece rounded up to 256 bytes),
+with rows = B Hq, T = ceil(N / tile_size), n_pad = T tile_size, S the budget:
+
+    4 rows n_pad             the fp32 logit stash (pass 1 -> tiles -> step d of pass 3)
+  + 4 rows T + 4 rows T      tile max m_t and sum l_t (fp32)
+  + 8 rows T                 the tile prefix C_t (float64)
+  + 8 rows (S + 1)           iid points (float64; 8 bytes for the other samplers)
+  + 4 rows S                 drawn rows (int32)
+  + 4 rows D + 4 B Hkv D + 4 B Hkv + 4 rows
+                             Bernoulli scores: q_hat, the group's features and count,
+                             the feature fractions (always laid out; small)
+
+The stash dominates: 4 B Hq N bytes, 537 MB at B = 32, Hq = 32, N = 128k (the K cache of
+that batch at Hkv = 8, D = 128 is 2.1 GB). It stays fp32 and whole: step d inverts the CDF
+inside a tile by walking the stashed logits, and the drawn indices are fixed by the very
+fp32 values pass 1 computed (tests/gpu/test_cuda_santa.py holds them to the reference's).
+A narrower stash, or recomputing the drawn tiles' logits in another reduction order, would
+move draws at CDF boundaries; recomputing them in pass 1's own order (the same mma or dot
+sequence, for the at most min(S, T) tiles that hold points) would drop the stash, but is
+a change of the sampling kernel's design, not done here. With a paged cache N is the
+cache's ``token_bound``: pass ``max_tokens`` (the engine's context limit), not more.
+
+``santa_prop(..., out=, workspace=)``: the output written into ``out`` (checked) and the
+scratch taken from ``workspace`` (a kept :class:`.runtime.workspace.Workspace` or a uint8
+GPU array): then a call allocates nothing, copies nothing to the host and does not
+synchronise. The optional outputs (``return_indices``, ``return_feature_fraction``) are
+still allocated per call (they are not the serving path).
+"""
 
 from __future__ import annotations
 
@@ -12,11 +46,12 @@ from .. import _validation as val
 from ..spec import PURPOSE_VALUE_SAMPLER, SAMPLERS
 from . import kernels
 from .kernels import abi
-from .runtime import inputs, launch
+from .runtime import inputs, launch, pages
+from .runtime import workspace as _workspace
 from .config import get_config
 from .kernels import group_max
 
-__all__ = ["santa_prop", "TILE_SIZES", "KERNELS"]
+__all__ = ["santa_prop", "TILE_SIZES", "KERNELS", "workspace_bytes"]
 
 _FAMILY = "santa_prop"
 # Block sizes and work per CTA that the kernels were compiled for (santa_prop.cu,
@@ -30,10 +65,17 @@ _FM_THREADS = abi.constant(_FAMILY, "kFmThreads")
 _FM_TOKENS_PER_PASS = _FM_THREADS * abi.constant(_FAMILY, "kFmTokens")
 _SCORES = ("exact", "bernoulli")
 # The per-call arguments of the packed launches: santa_prop_logits (q_hat for q with
-# Bernoulli scores), santa_prop_logits_tc, santa_prop_tiles, santa_prop_sample.
-_LOGITS_VARIABLE = ("qv", "k", "seq_lens", "logits")
-_LOGITS_TC_VARIABLE = ("q", "k", "seq_lens", "logits", "tile_m", "tile_l")
-_TILES_VARIABLE = ("logits", "seq_lens", "tile_m", "tile_l")
+# Bernoulli scores), santa_prop_logits_tc, santa_prop_tiles, santa_prop_sample. Every one
+# takes the page table (kernels/kv_rows.cuh; runtime.pages.page_args, zeros for contiguous
+# caches) after seq_lens.
+PAGE_VARIABLE = pages.PageArgs._fields
+_LOGITS_VARIABLE = ("qv", "k", "seq_lens") + PAGE_VARIABLE + ("logits",)
+_LOGITS_TC_VARIABLE = ("q", "k", "seq_lens") + PAGE_VARIABLE + ("logits", "tile_m", "tile_l")
+# The page table last: a caller that passes only the first four (Double-P's sampled
+# variant, on its own lengths) leaves it at zero, i.e. lengths from seq_lens.
+_TILES_VARIABLE = ("logits", "seq_lens", "tile_m", "tile_l") + PAGE_VARIABLE
+# santa_prop_sample's per-call arguments before its page table (PAGE_VARIABLE, which a
+# launch binds after these and any others it adds, and passes last).
 SAMPLE_VARIABLE = ("v", "seq_lens", "logits", "tile_m", "tile_l", "C", "iid_points", "idx32",
                    "idx_out", "out", "seed", "offset", "seed_ptr", "offset_ptr", "streams")
 TILE_SIZES = (32, 64, 128, 256)
@@ -47,7 +89,7 @@ def santa_prop(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_siz
                offset=0, softmax_scale=None, return_indices=False, num_chunks=None,
                check_seq_lens=False, scores="exact", bernoulli_draws=4,
                bernoulli_group_shared=False, k_feature_major=None, return_feature_fraction=False,
-               kernel=None):
+               kernel=None, out=None, workspace=None):
     """S²ANTA-prop estimate of one decode step on the GPU: ``(1/S) sum_m v[J_m]``.
 
     The S points of ``sampler`` (the reference's global points: Philox stream row
@@ -60,11 +102,14 @@ def santa_prop(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_siz
     ----------
     q : GPU array, shape (B, Hq, D), float16 or bfloat16
     k, v : GPU array, shape (B, Hkv, N, D), dtype of ``q``
-        Contiguous; ``Hq // Hkv <= 8``; D is 64 or 128.
+        Contiguous; ``Hq // Hkv <= 8``; D is 64 or 128. Or ``k`` a GPU
+        :class:`stochattn.paged.PagedKV` and ``v`` None (pages read in place; N is its
+        ``token_bound``; int32 page tables, page sizes 1 to 128, NHD or HND).
     seq_lens : integer array, shape (B,), optional
         Sequence lengths; 0 gives a zero row. Host values are checked on the host; GPU
         values are not checked (no synchronisation) unless ``check_seq_lens=True``, and the
-        kernels clamp them to [0, N], so a bad value never reads outside the cache.
+        kernels clamp them to [0, N], so a bad value never reads outside the cache. None
+        with a paged cache (its page table holds the lengths).
     budget : int
         S sample points per (sequence, query head), 1 <= S <= 2**30.
     sampler : {"systematic", "stratified", "iid"}
@@ -107,6 +152,13 @@ def santa_prop(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_siz
         on the CUDA cores (fp32 dot products, then a second launch for the tile
         statistics). Default (None): "tc" with exact scores, "simt" with Bernoulli scores
         (the only one they have). The sampling and gather are the same for both.
+    out : GPU array, shape (B, Hq, D), dtype of ``q``, optional
+        Written and returned instead of a fresh output (contiguous, on q's GPU, q's
+        framework).
+    workspace : Workspace or 1-D uint8 GPU array, optional
+        The call's scratch (:func:`workspace_bytes` bytes; see the module docstring); None
+        allocates it. With ``out`` and a large enough workspace nothing is allocated
+        (indices and feature fractions, when asked for, still are).
 
     Returns
     -------
@@ -129,6 +181,10 @@ def santa_prop(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_siz
     inp = inputs.gather(q, k, v)
     kfm_meta = None
     if k_feature_major is not None:
+        if not isinstance(inp, inputs.Inputs):
+            raise ValueError("`k_feature_major` has no paged form: with a paged cache (`k` a "
+                             "PagedKV) the Bernoulli score stage reads the token-major pages "
+                             "(pass k_feature_major=None)")
         k_feature_major = _feature_major_input(inp, k_feature_major)
         kfm_meta = inp.ops.meta(k_feature_major)
     cfg = get_config(inp.device)
@@ -139,7 +195,28 @@ def santa_prop(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_siz
     key = ("santa_prop", inp.key, kfm_meta, cfg, tuple(type(o) for o in opts), opts)
     plan = inputs.cached_plan(key, lambda: _PropPlan.build(inp, kfm_meta, cfg, *opts))
     return plan.run(inp, seq_lens, check_seq_lens, seed, offset, bool(return_indices),
-                    k_feature_major)
+                    k_feature_major, out, workspace)
+
+
+def workspace_bytes(batch, q_heads, kv_heads, tokens, head_dim, budget, *, tile_size=64,
+                    sampler="systematic") -> int:
+    """Scratch bytes of one :func:`santa_prop` call (the module docstring's formula): what
+    a ``workspace=`` array must hold. ``tokens``: N (a paged cache's ``token_bound``)."""
+    rows, groups = batch * q_heads, batch * kv_heads
+    n_tiles = math.ceil(tokens / tile_size)
+    return launch.layout(_scratch_sizes(rows, groups, n_tiles * tile_size, n_tiles, budget,
+                                        head_dim, sampler))[1]
+
+
+def _scratch_sizes(rows, groups, n_pad, n_tiles, S, D, sampler) -> tuple:
+    """Bytes of the scratch pieces: logits (f32, rows x n_pad), tile_m and tile_l (f32,
+    rows x n_tiles), C (f64, rows x n_tiles), iid points (f64, rows x (S + 1); iid only),
+    idx32 (i32, rows x S); for Bernoulli scores q_hat (f32, rows x D), the group's feature
+    list (i32, groups x D) and count (i32, groups), and the feature fractions when not
+    returned (f32, rows)."""
+    return (4 * rows * n_pad, 4 * rows * n_tiles, 4 * rows * n_tiles, 8 * rows * n_tiles,
+            8 * rows * (S + 1) if sampler == "iid" else 8, 4 * rows * S,
+            4 * rows * D, 4 * groups * D, 4 * groups, 4 * rows)
 
 
 class _ScoreStage(NamedTuple):
@@ -269,15 +346,9 @@ class _PropPlan:
         self.grid2 = (rows,)
         self.out_shape = (s.batch, s.q_heads, s.head_dim)
         self.idx_shape = (s.batch, s.q_heads, S)
-        # One scratch buffer: logits (f32, rows x n_pad), tile_m and tile_l (f32, rows x
-        # n_tiles), C (f64, rows x n_tiles), iid points (f64, rows x (S + 1); iid only),
-        # idx32 (i32, rows x S).
-        # Bernoulli scores add q_hat (f32, rows x D), the group's feature list (i32,
-        # B Hkv x D) and count (i32, B Hkv), and the feature fractions when not returned.
-        groups = s.batch * s.kv_heads
-        sizes = (4 * rows * n_pad, 4 * rows * n_tiles, 4 * rows * n_tiles, 8 * rows * n_tiles,
-                 8 * rows * (S + 1) if sampler == "iid" else 8, 4 * rows * S,
-                 4 * rows * s.head_dim, 4 * groups * s.head_dim, 4 * groups, 4 * rows)
+        # One scratch buffer (the module docstring's formula; _scratch_sizes).
+        sizes = _scratch_sizes(rows, s.batch * s.kv_heads, n_pad, n_tiles, S, s.head_dim,
+                               sampler)
         self.offsets, self.scratch_bytes = launch.layout(sizes)
         self.scale, self.n_pad = scale, n_pad
         self.frac_shape = (s.batch, s.q_heads)
@@ -304,33 +375,38 @@ class _PropPlan:
         # SANTA's own output: purpose PURPOSE_VALUE_SAMPLER, no partial.
         self.sample = p(sample, self.grid2, (_SAMPLE_THREADS,),
                         k("santa_prop_sample").bind(
-                            SAMPLE_VARIABLE, Hq=s.q_heads, G=s.group, N=s.tokens, n_pad=n_pad,
+                            SAMPLE_VARIABLE + PAGE_VARIABLE, Hq=s.q_heads, G=s.group,
+                            N=s.tokens, n_pad=n_pad,
                             n_tiles=n_tiles, tile_size=ts, S=S, sampler=sampler_code(sampler),
                             purpose=PURPOSE_VALUE_SAMPLER, part_o=0, part_ml=0, num_parts=0,
                             part=0),
                         pdl=config.pdl)
 
-    def run(self, inp, seq_lens, check_seq_lens, seed, offset, return_indices, kfm):
+    def run(self, inp, seq_lens, check_seq_lens, seed, offset, return_indices, kfm, out=None,
+            workspace=None):
+        """Queue one call on the caller's stream. ``out`` and ``workspace``: see
+        :mod:`.runtime.workspace` (None: allocated)."""
         ops = inp.ops
         s = self.shape
         score = self.score
         with inputs.device_scope(self.device):
             qp, kp, vp, lens, _keep, stream = inputs.launch_args(inp, seq_lens, check_seq_lens, s,
                                                                   self.device)
+            pg = pages.page_args(inp)
             rs, _keep_rs = inputs.stream_args(inp, seed, offset, s.batch, self.device)
-            scratch = ops.empty(inp.q, (self.scratch_bytes,), "uint8")
-            base = ops.ptr(scratch)
+            base, _scratch = _workspace.scratch(ops, inp.q, self.scratch_bytes, workspace,
+                                                self.device)
             logits, tile_m, tile_l, C, iid, idx32, qhat, feat, nfeat, frac_slot = (
                 base + o for o in self.offsets)
-            out = ops.empty(inp.q, self.out_shape)
+            out = _workspace.output(ops, inp.q, self.out_shape, None, out, self.device)
             outp = ops.ptr(out)
             indices = ops.empty(inp.q, self.idx_shape, "int64") if return_indices else None
             idxp = 0 if indices is None else ops.ptr(indices)  # null: no indices
             frac = ops.empty(inp.q, self.frac_shape, "float32") if score.want_frac else None
             if self.tiles is None:  # tensor cores: logits and tile statistics
-                self.logits(stream, qp, kp, lens, logits, tile_m, tile_l)
+                self.logits(stream, qp, kp, lens, *pg, logits, tile_m, tile_l)
             elif not score.bernoulli:
-                self.logits(stream, qp, kp, lens, logits)
+                self.logits(stream, qp, kp, lens, *pg, logits)
             else:
                 fracp = ops.ptr(frac) if frac is not None else frac_slot
                 self.qhat((s.kv_heads, s.batch), (_QHAT_THREADS,), self.qhat_decl.args_of(
@@ -338,7 +414,7 @@ class _PropPlan:
                     G=s.group, D=s.head_dim, draws=score.draws, group_shared=score.group_shared,
                     scale=self.scale, **rs._asdict()), stream)
                 if kfm is None:
-                    self.logits(stream, qhat, kp, lens, logits)
+                    self.logits(stream, qhat, kp, lens, *pg, logits)
                 else:
                     self.logits_fm(self.grid_fm, (_FM_THREADS,), self.fm_decl.args_of(
                         qhat=qhat, kfm=ops.ptr(kfm), feat=feat, nfeat=nfeat, seq_lens=lens,
@@ -346,8 +422,9 @@ class _PropPlan:
                         ld=score.kfm_meta[1][-1], chunk_len=self.fm_chunk_len,
                         n_pad=self.n_pad), stream)
             if self.tiles is not None:
-                self.tiles(stream, logits, lens, tile_m, tile_l)
-            self.sample(stream, vp, lens, logits, tile_m, tile_l, C, iid, idx32, idxp, outp, *rs)
+                self.tiles(stream, logits, lens, tile_m, tile_l, *pg)
+            self.sample(stream, vp, lens, logits, tile_m, tile_l, C, iid, idx32, idxp, outp, *rs,
+                        *pg)
         res = (out,) + ((indices,) if return_indices else ()) + ((frac,) if frac is not None else ())
         return res if len(res) > 1 else out
 

@@ -1,12 +1,21 @@
 // S²ANTA-prop: unbiased sampled attention in three launches (docs/estimators.md, schedule "prop").
 //
+// K and V are contiguous (B, Hkv, N, D) or paged (FlashInfer's layout, read in place): every
+// launch takes the page table after seq_lens (kv_rows.cuh; kv_indptr null: contiguous),
+// reads the lengths through stream_length and the rows through KvRows (pass 1 the K rows
+// of its chunk, pass 3 the V rows at the drawn indices, `row(J)`). The stash and the tile
+// arrays are indexed by token position, not address, so a paged call draws the indices
+// of the contiguous call with the same tokens and N, bit for bit.
+//
 // 1. santa_prop_logits, grid (num_chunks, Hkv, B) as exact_decode.cu: a CTA streams the K
 //    rows of its chunk once for all G heads of the group through the cp.async pipeline and
 //    writes the logits x = scale * q.k (fp32) to a stash `logits` (rows b * Hq + h, n_pad
 //    columns). Nothing else: no shared-memory buffer and no CTA barrier (tile statistics
 //    computed here cost a barrier per tile: measured 45% slower), so the loop is exact
 //    decode's without V. The stash costs 4 G bytes per token against 2 D bytes of K (6% at
-//    G = 4, D = 128).
+//    G = 4, D = 128) of traffic, and 4 B Hq n_pad bytes of workspace (537 MB at B = 32,
+//    Hq = 32, N = 128k): step d walks the fp32 logits of the tiles that hold points, and
+//    a narrower copy (or a recomputation in another reduction order) would move draws.
 // 2. santa_prop_tiles: m_t = max x and l_t = sum exp(x - m_t) per sampling tile of
 //    `tile_size` tokens and query head (fp32), 16-byte loads, a tile per lane segment.
 // 3. santa_prop_sample, one CTA per (b, query head):
@@ -44,7 +53,10 @@ using namespace stochattn;
 template <typename T, int D, int GMAX, bool QHAT>
 __global__ void __launch_bounds__(kThreads)
 santa_prop_logits(const void* __restrict__ qv, const T* __restrict__ k,
-                  const int* __restrict__ seq_lens, float* __restrict__ logits,
+                  const int* __restrict__ seq_lens, const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices,
+                  const int* __restrict__ kv_last_page_len, int page_size,
+                  long long page_stride, int row_stride, int head_stride,
+                  float* __restrict__ logits,
                   int Hkv, int G, long long N, long long chunk_len, long long n_pad,
                   float scale) {
   STOCHATTN_PDL_ENTRY();
@@ -59,7 +71,9 @@ santa_prop_logits(const void* __restrict__ qv, const T* __restrict__ k,
   const int tid = threadIdx.x;
   const int lr = tid % LPR, rg = tid / LPR;
 
-  const long long len = sequence_length(seq_lens, b, N);
+  const PageTable table = page_table(kv_indptr, kv_indices, kv_last_page_len, page_size,
+                                     page_stride, row_stride, head_stride);
+  const long long len = stream_length(seq_lens, table, b, N);
   const long long start = (long long)chunk * chunk_len;
   const long long end = min(start + chunk_len, len);
   if (start >= end) return;  // logits past the sequence are never read
@@ -80,14 +94,13 @@ santa_prop_logits(const void* __restrict__ qv, const T* __restrict__ k,
     load_group_queries<T, D, GMAX>(static_cast<const T*>(qv), head0, G, lr, scale, qf);
   }
 
-  const unsigned char* kbase =
-      reinterpret_cast<const unsigned char*>(k + ((long long)b * Hkv + kvh) * N * D);
+  const KvRows<D> krows = kv_rows<D>(k, table, b, kvh, Hkv, N);
   const long long ntiles = (end - start + ROWS - 1) / ROWS;
 
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < ntiles)
-      load_tile_async<D>(smem + s * kStageBytes, kbase, start + (long long)s * ROWS, end, need);
+      load_tile_async<D>(smem + s * kStageBytes, krows, start + (long long)s * ROWS, end, need);
     cp_async_commit();
   }
 
@@ -98,7 +111,7 @@ santa_prop_logits(const void* __restrict__ qv, const T* __restrict__ k,
     cp_async_wait<kStages - 2>();
     {
       const long long nx = it + kStages - 1;
-      if (nx < ntiles) load_tile_async<D>(smem + wr * kStageBytes, kbase, start + nx * ROWS, end, need);
+      if (nx < ntiles) load_tile_async<D>(smem + wr * kStageBytes, krows, start + nx * ROWS, end, need);
       cp_async_commit();
     }
     const unsigned char* sk = smem + rd * kStageBytes;
@@ -151,7 +164,11 @@ santa_prop_logits(const void* __restrict__ qv, const T* __restrict__ k,
 template <typename T, int D, int WARPS, int ROWS, int STAGES>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 santa_prop_logits_tc(const T* __restrict__ q, const T* __restrict__ k,
-                     const int* __restrict__ seq_lens, float* __restrict__ logits,
+                     const int* __restrict__ seq_lens, const int* __restrict__ kv_indptr,
+                     const int* __restrict__ kv_indices,
+                     const int* __restrict__ kv_last_page_len, int page_size,
+                     long long page_stride, int row_stride, int head_stride,
+                     float* __restrict__ logits,
                      float* __restrict__ tile_m, float* __restrict__ tile_l, int Hkv, int G,
                      long long N, long long chunk_len, long long n_pad, long long n_tiles,
                      int tile_size, float scale) {
@@ -165,7 +182,9 @@ santa_prop_logits_tc(const T* __restrict__ q, const T* __restrict__ k,
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int grp = lane >> 2, tig = lane & 3;
 
-  const long long len = sequence_length(seq_lens, b, N);
+  const PageTable table = page_table(kv_indptr, kv_indices, kv_last_page_len, page_size,
+                                     page_stride, row_stride, head_stride);
+  const long long len = stream_length(seq_lens, table, b, N);
   const long long start = (long long)chunk * chunk_len;
   const long long end = min(start + chunk_len, len);
   if (start >= end) return;  // logits and tiles past the sequence are never read
@@ -178,8 +197,7 @@ santa_prop_logits_tc(const T* __restrict__ q, const T* __restrict__ k,
   float* tm = tile_m + row_h * n_tiles;
   float* tl = tile_l + row_h * n_tiles;
 
-  const unsigned char* kbase =
-      reinterpret_cast<const unsigned char*>(k + ((long long)b * Hkv + kvh) * N * D);
+  const KvRows<D> krows = kv_rows<D>(k, table, b, kvh, Hkv, N);
   const int per_span = tile_size / ROWS;  // pieces per sampling tile
   const long long nspans = (end - start + tile_size - 1) / tile_size;
   const long long my_spans = nspans > warp ? (nspans - warp + WARPS - 1) / WARPS : 0;
@@ -191,7 +209,7 @@ santa_prop_logits_tc(const T* __restrict__ q, const T* __restrict__ k,
   const unsigned ring_s = static_cast<unsigned>(__cvta_generic_to_shared(ring));
 
   auto load = [&](int slot, long long i) {
-    tc::load_rows<D, ROWS>(ring + slot * kTileBytes, kbase, piece_row0(i), end, lane);
+    tc::load_rows<D, ROWS>(ring + slot * kTileBytes, krows, piece_row0(i), end, lane);
   };
   tc::ring_prologue<STAGES>(my_pieces, load);
 
@@ -262,13 +280,18 @@ __device__ __forceinline__ float segment_sum(float x, int W) {
 // m = -inf, l = 0. Grid (rows, ceil(n_pad / (kTileWarps * kTileChunks * 256))).
 __global__ void __launch_bounds__(kTileThreads)
 santa_prop_tiles(const float* __restrict__ logits, const int* __restrict__ seq_lens,
+                 const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices,
+                 const int* __restrict__ kv_last_page_len, int page_size,
+                 long long page_stride, int row_stride, int head_stride,
                  float* __restrict__ tile_m, float* __restrict__ tile_l, int Hq, long long N,
                  long long n_pad, long long n_tiles, int tile_size) {
   STOCHATTN_PDL_ENTRY();
   const long long row = blockIdx.x;  // b * Hq + h
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int b = (int)(row / Hq);
-  const long long len = sequence_length(seq_lens, b, N);  // tiles past it are never read
+  const PageTable table = page_table(kv_indptr, kv_indices, kv_last_page_len, page_size,
+                                     page_stride, row_stride, head_stride);
+  const long long len = stream_length(seq_lens, table, b, N);  // tiles past it are never read
   const long long x0 = ((long long)blockIdx.y * kTileWarps + warp) * kTileChunks * kChunkLogits;
   const float* xrow = logits + row * n_pad;
   float xr[kTileChunks][8];
@@ -401,6 +424,9 @@ __device__ __forceinline__ void write_empty_part(float* __restrict__ part_o,
 template <typename T, int D>
 __global__ void __launch_bounds__(kSampleThreads)
 santa_prop_sample(const T* __restrict__ v, const int* __restrict__ seq_lens,
+                  const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices,
+                  const int* __restrict__ kv_last_page_len, int page_size,
+                  long long page_stride, int row_stride, int head_stride,
                   const float* __restrict__ logits, const float* __restrict__ tile_m,
                   const float* __restrict__ tile_l, double* __restrict__ C,
                   double* __restrict__ iid_points, int* __restrict__ idx32,
@@ -424,7 +450,9 @@ santa_prop_sample(const T* __restrict__ v, const int* __restrict__ seq_lens,
   const int Hkv = Hq / G, kvh = h / G;
   seed = stream_seed(seed, seed_ptr, streams, b);
   offset = stream_offset(offset, offset_ptr, streams, b);
-  const long long len = sequence_length(seq_lens, b, N);
+  const PageTable table = page_table(kv_indptr, kv_indices, kv_last_page_len, page_size,
+                                     page_stride, row_stride, head_stride);
+  const long long len = stream_length(seq_lens, table, b, N);
   T* orow = out + row * D;
   int* ids = idx32 + row * S;
 
@@ -574,7 +602,7 @@ santa_prop_sample(const T* __restrict__ v, const int* __restrict__ seq_lens,
   constexpr int LPR = D / 8;
   constexpr int GROUPS = kSampleThreads / LPR;
   const int lr = tid % LPR, grp = tid / LPR;
-  const T* vb = v + (((long long)b * Hkv + kvh) * N) * D + lr * 8;
+  const KvRows<D> vrows = kv_rows<D>(v, table, b, kvh, Hkv, N);  // row J: vrows.row(J)
   float acc[8];
 #pragma unroll
   for (int e = 0; e < 8; ++e) acc[e] = 0.f;
@@ -584,7 +612,7 @@ santa_prop_sample(const T* __restrict__ v, const int* __restrict__ seq_lens,
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int m = mb + u * GROUPS;
-      raw[u] = m < S ? __ldg(reinterpret_cast<const uint4*>(vb + (long long)ids[m] * D))
+      raw[u] = m < S ? __ldg(reinterpret_cast<const uint4*>(vrows.row(ids[m]) + lr * 16))
                      : make_uint4(0u, 0u, 0u, 0u);  // zero bits are +0.0 in both types
     }
 #pragma unroll
