@@ -6,7 +6,7 @@ import numpy as np
 
 from . import _validation as val
 from ._backend import backend_of, host_ints, in_callers_framework, require_cupy
-from ._plan import AttentionPlan, cached_plan, device_of, no_call_arguments
+from ._plan import AttentionPlan, cached_plan, device_of, fill_out, is_paged, no_call_arguments
 from .diagnostics import Diagnostics
 from .reference import exact as _ref
 from .reference.common import finish, lengths
@@ -18,8 +18,25 @@ class ExactPlan(AttentionPlan):
     """A plan of :func:`exact_attention` (options as there; ``device``, ``q_heads``,
     ``kv_heads``, ``head_dim``, ``dtype`` as in :class:`~stochattn.SantaPlan`).
 
-    Calls: ``plan.run(q, k, v, seq_lens=None)`` returns the output (B, Hq, D);
-    ``plan.diagnose(...)`` returns ``(output, Diagnostics)``.
+    Calls: ``plan.run(q, k, v, seq_lens=None, *, out=None, workspace=None)`` returns the
+    output (B, Hq, D); ``plan.diagnose(...)`` returns ``(output, Diagnostics)``.
+
+    ``k`` may be a :class:`stochattn.paged.PagedKV` (FlashInfer's layout) with ``v`` and
+    ``seq_lens`` left out: the reference reads a contiguous copy, the GPU kernels read the
+    pages in place (N = the cache's ``token_bound``; same tokens and N, same output as the
+    contiguous call, bit for bit). With ``check_finite`` a paged cache's pools are not
+    scanned (their unused pages and slots may hold anything; the kernels never read them):
+    q is checked, and the lengths are clamped to [0, N] by the kernels.
+
+    ``out``: the output array to write (the reference copies its result into a NumPy
+    ``out``; on the GPU the kernel writes it: contiguous, q's dtype, GPU and framework).
+    ``workspace`` (GPU only): the call's scratch, the split-KV chunk partials — a uint8 GPU
+    array of at least ``stochattn.cuda.exact.workspace_bytes(q, k, v)`` bytes (at most
+    about ``(4 D + 8) (4 slots G + B Hq)`` bytes whatever N; ``stochattn.cuda.exact``'s
+    docstring has the formula); by default the plan keeps its own (:attr:`workspace`),
+    grown by the first call that needs more. So a plan called once eagerly, then with
+    ``out=``, allocates nothing, copies nothing to the host and does not synchronise
+    (diagnostics do all three). The reference takes no ``workspace``.
 
     Examples
     --------
@@ -35,11 +52,20 @@ class ExactPlan(AttentionPlan):
     function = "exact_attention"
 
 
+    def _paged_cuda_missing(self) -> list[str]:
+        return []  # both chunk kernels read the pages in place
+
     def _run(self, backend, q, k, v, seq_lens, diagnose, call):
+        out, workspace = self._buffers(call)
         no_call_arguments(call)
         if backend == "cuda":
-            return _exact_cuda(q, k, v, seq_lens, self.softmax_scale, self.check_finite, diagnose)
-        return _exact_reference(q, k, v, seq_lens, self.softmax_scale, self.check_finite, diagnose)
+            return _exact_cuda(q, k, v, seq_lens, self.softmax_scale, self.check_finite, diagnose,
+                               out, workspace)
+        result = _exact_reference(q, k, v, seq_lens, self.softmax_scale, self.check_finite,
+                                  diagnose)
+        if out is None:
+            return result
+        return (fill_out(out, result[0]), result[1]) if diagnose else fill_out(out, result)
 
 
 def exact_attention(q, k, v=None, seq_lens=None, *, softmax_scale=None, check_finite=False,
@@ -54,10 +80,12 @@ def exact_attention(q, k, v=None, seq_lens=None, *, softmax_scale=None, check_fi
         or bfloat16, D 64 or 128, Hq / Hkv <= 8) runs the split-KV CUDA kernel and the
         result comes back in the caller's framework, on its current stream.
     k, v : array, shape (B, Hkv, N, D)
-        Key and value caches; query head h reads KV head ``h // (Hq // Hkv)``.
+        Key and value caches; query head h reads KV head ``h // (Hq // Hkv)``. Or ``k`` a
+        :class:`stochattn.paged.PagedKV` and ``v`` None (NumPy pages: the reference reads a
+        contiguous copy; GPU pages: the kernels read them in place, docs/paged.md).
     seq_lens : integer array, shape (B,), optional
         Sequence b uses ``k[b, :, :seq_lens[b]]``; default: all N tokens. A sequence of
-        length 0 yields a zero output row.
+        length 0 yields a zero output row. None with a paged cache.
     softmax_scale : float, optional
         Logit scale, default ``1 / sqrt(D)``.
     check_finite : bool
@@ -101,17 +129,29 @@ def _exact_reference(q, k, v, seq_lens, softmax_scale, check_finite, return_diag
 
 
 @in_callers_framework()
-def _exact_cuda(q, k, v, seq_lens, softmax_scale, check_finite, return_diagnostics):
+def _exact_cuda(q, k, v, seq_lens, softmax_scale, check_finite, return_diagnostics, out=None,
+                workspace=None):
+    """GPU arrays: the split-KV kernels. ``k`` may be a GPU PagedKV (``v``, ``seq_lens``
+    None), read in place. ``out`` and ``workspace`` go to :func:`stochattn.cuda.exact_decode`
+    (None: allocated)."""
     require_cupy("exact_attention")
     from .cuda import exact_decode
 
+    paged = is_paged(k)
     if check_finite:
-        val.check_finite(q=q, k=k, v=v)
-    out = exact_decode(q, k, v, seq_lens, softmax_scale=softmax_scale, check_seq_lens=check_finite)
+        # A paged cache's pools are not checked: their unused pages and slots may hold
+        # anything (the kernels never read them).
+        val.check_finite(q=q) if paged else val.check_finite(q=q, k=k, v=v)
+    out = exact_decode(q, k, v, seq_lens, softmax_scale=softmax_scale, check_seq_lens=check_finite,
+                       out=out, workspace=workspace)
     if not return_diagnostics:
         return out
-    B, Hkv, N = int(k.shape[0]), int(k.shape[1]), int(k.shape[2])
-    lens = np.full(B, N, dtype=np.int64) if seq_lens is None else host_ints(seq_lens)
+    if paged:
+        B, Hkv, N = k.batch, k.kv_heads, k.token_bound
+        lens = np.clip(host_ints(k.seq_lens), 0, N)  # as the kernels clamp them
+    else:
+        B, Hkv, N = int(k.shape[0]), int(k.shape[1]), int(k.shape[2])
+        lens = np.full(B, N, dtype=np.int64) if seq_lens is None else host_ints(seq_lens)
     rows = np.repeat(lens[:, None], Hkv, axis=1)
     return out, Diagnostics(seq_lens=lens, k_rows_read=rows, v_rows_read=rows.copy(),
                             true_mass=(lens[:, None] > 0) * np.ones((B, int(q.shape[1]))))

@@ -1,5 +1,31 @@
 """Exact decode attention on the GPU: split-KV ("flash decoding") CUDA kernels, on the CUDA
-cores or on the tensor cores, and their shared merge."""
+cores or on the tensor cores, and their shared merge.
+
+Caches: contiguous ``(B, Hkv, N, D)`` K and V, or a GPU :class:`stochattn.paged.PagedKV`
+(FlashInfer's layout, NHD or HND, page sizes 1 to 128, int32 page tables) read in place
+through the page table; ``N`` is then its ``token_bound`` (the host-known bound of the
+lengths: an engine passes ``max_tokens``). The same tokens and N give the same chunk split,
+hence the same output bit for bit, paged or contiguous.
+
+Workspace of one call (:func:`workspace_bytes`; the plan's ``scratch_bytes``): with
+``rows = B Hq`` and C chunks per (sequence, KV head) stream,
+
+    0                                          when C = 1 (the chunk writes ``out`` itself)
+    align256(4 rows C D) + 8 rows C            otherwise: the fp32 chunk partials, then
+                                               their (max, sum) pairs
+
+C is chosen per device to fill it in whole waves (``launch.choose_chunks``): at most
+``ceil(N / 256)`` and at most ``4 slots / (B Hkv) + 1`` (slots: resident CTAs of the GPU),
+so ``rows C <= 4 slots G + B Hq`` whatever N: the workspace is at most about
+``(4 D + 8) (4 slots G + B Hq)`` bytes (a few MB). With in-kernel merging (the default) the
+plan also keeps B Hkv int32 arrival counters per CUDA stream, allocated on the first call
+on that stream.
+
+``exact_decode(..., out=, workspace=)``: the output is written into ``out`` (checked) and the
+partials come from ``workspace`` (a kept :class:`.runtime.workspace.Workspace` or a uint8
+GPU array of at least :func:`workspace_bytes` bytes): then a call on a stream it has run on
+before allocates nothing, copies nothing to the host and does not synchronise.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +36,7 @@ from .kernels import abi
 from .runtime import inputs, launch
 from .config import get_config
 
-__all__ = ["exact_decode", "KERNELS", "DEFAULT_KERNEL"]
+__all__ = ["exact_decode", "workspace_bytes", "KERNELS", "DEFAULT_KERNEL"]
 
 # The chunk kernels: "simt" (exact_decode.cu: CUDA-core dot products and sums) and "tc"
 # (exact_decode_tc.cu: mma.sync on the tensor cores). The default is the faster one at the
@@ -20,13 +46,14 @@ __all__ = ["exact_decode", "KERNELS", "DEFAULT_KERNEL"]
 # batch 1 / 128k.
 KERNELS = ("simt", "tc")
 DEFAULT_KERNEL = "tc"
-# The chunk kernels' per-call arguments (both kernels take the same arguments); a single
-# chunk writes `out` and no partials (their pointers stay null).
-_CHUNK_VARIABLE = ("q", "k", "v", "seq_lens", "out", "part_o", "part_ml", "counters")
+# The chunk kernels' per-call arguments (both kernels take the same arguments: the inputs,
+# the page table, the output and the partials); a single chunk writes `out` and no
+# partials (their pointers stay null).
+_CHUNK_VARIABLE = launch.SPLIT_KV_VARIABLE
 
 
-def exact_decode(q, k, v, seq_lens=None, *, softmax_scale=None, num_chunks=None,
-                 check_seq_lens=False, kernel=None):
+def exact_decode(q, k, v=None, seq_lens=None, *, softmax_scale=None, num_chunks=None,
+                 check_seq_lens=False, kernel=None, out=None, workspace=None):
     """Exact softmax attention of one decode step, on the GPU.
 
     Parameters
@@ -35,12 +62,15 @@ def exact_decode(q, k, v, seq_lens=None, *, softmax_scale=None, num_chunks=None,
         CuPy array, or any CUDA array with ``__dlpack__`` (PyTorch tensors included).
     k, v : GPU array, shape (B, Hkv, N, D), dtype of ``q``
         Key and value caches, contiguous (a non-contiguous input is copied). Query head h
-        reads KV head ``h // (Hq // Hkv)``; ``Hq // Hkv <= 8``; D is 64 or 128.
+        reads KV head ``h // (Hq // Hkv)``; ``Hq // Hkv <= 8``; D is 64 or 128. Or ``k`` a
+        GPU :class:`stochattn.paged.PagedKV` and ``v`` None: the pages are read in place
+        (N is its ``token_bound``; see the module docstring).
     seq_lens : integer array, shape (B,), optional
         Sequence b uses ``k[b, :, :seq_lens[b]]``; a length of 0 gives a zero row. Host
         values (NumPy, list, CPU tensor) are checked on the host and copied asynchronously.
         GPU values are not checked (no synchronisation) unless ``check_seq_lens=True``;
         the kernels clamp them to [0, N], so a bad value never reads outside the cache.
+        None with a paged cache (the page table holds the lengths).
     softmax_scale : float, optional
         Logit scale, default ``1 / sqrt(D)``.
     num_chunks : int, optional
@@ -55,13 +85,20 @@ def exact_decode(q, k, v, seq_lens=None, *, softmax_scale=None, num_chunks=None,
         softmax weights are rounded to the input dtype before the weighted V sum, as in
         FlashAttention). Default (None): :data:`DEFAULT_KERNEL`. Both split the token axis
         and share the merge kernel.
+    out : GPU array, shape (B, Hq, D), dtype of ``q``, optional
+        Written and returned instead of a fresh output (contiguous, on q's GPU, in q's
+        framework; checked).
+    workspace : Workspace or 1-D uint8 GPU array, optional
+        Where the chunk partials live (:func:`workspace_bytes` bytes; a
+        :class:`.runtime.workspace.Workspace` grows itself); None allocates them per call.
 
     Returns
     -------
     out : GPU array, shape (B, Hq, D), dtype of ``q``, in the caller's framework
         Computed in fp32 and rounded once; launched on the caller's current stream
         (torch's for tensors, CuPy's for arrays). PyTorch inputs allocate only through
-        torch's caching allocator, so the call can be captured in a ``torch.cuda.CUDAGraph``.
+        torch's caching allocator, so the call can be captured in a ``torch.cuda.CUDAGraph``
+        (paged or contiguous; with ``out`` and a warmed workspace it allocates nothing).
 
     Notes
     -----
@@ -78,6 +115,19 @@ def exact_decode(q, k, v, seq_lens=None, *, softmax_scale=None, num_chunks=None,
     >>> exact_decode(q, k, k).shape
     (1, 32, 128)
     """
+    inp, plan = _plan(q, k, v, softmax_scale, num_chunks, kernel)
+    return plan.launch(inp, seq_lens, check_seq_lens, out=out, workspace=workspace)[0]
+
+
+def workspace_bytes(q, k, v=None, *, softmax_scale=None, num_chunks=None, kernel=None) -> int:
+    """Scratch bytes of one :func:`exact_decode` call with these inputs and options (the
+    module docstring's formula for the chunk count chosen on this device): what a
+    ``workspace=`` array must hold. Builds (or finds) the launch plan; launches nothing."""
+    return _plan(q, k, v, softmax_scale, num_chunks, kernel)[1].scratch_bytes
+
+
+def _plan(q, k, v, softmax_scale, num_chunks, kernel):
+    """``(inputs, cached _ExactPlan)`` of a call."""
     if kernel is None:
         kernel = DEFAULT_KERNEL
     elif kernel not in KERNELS:
@@ -89,7 +139,7 @@ def exact_decode(q, k, v, seq_lens=None, *, softmax_scale=None, num_chunks=None,
            cfg, kernel)
     plan = inputs.cached_plan(key, lambda: _ExactPlan(inp, softmax_scale, num_chunks, cfg,
                                                        kernel == "tc"))
-    return plan.run(inp, seq_lens, check_seq_lens)
+    return inp, plan
 
 
 class _ExactPlan(launch.SplitKVPlan):
@@ -126,6 +176,3 @@ class _ExactPlan(launch.SplitKVPlan):
             chunk, (chunks, s.kv_heads, s.batch), (self.threads,),
             decl.bind(_CHUNK_VARIABLE, Hkv=s.kv_heads, G=s.group, N=s.tokens, chunk_len=chunk_len,
                       num_chunks=chunks, scale_log2=scale * math.log2(math.e)))
-
-    def run(self, inp, seq_lens, check_seq_lens):
-        return self.launch(inp, seq_lens, check_seq_lens)[0]

@@ -1,5 +1,34 @@
 """S²ANTA-flash on the GPU: per-tile draws merged with deferred weights (santa_flash.cu; the
-tile logits on the tensor cores with ``kernel="tc"``: santa_flash_tc.cu)."""
+tile logits on the tensor cores with ``kernel="tc"``: santa_flash_tc.cu).
+
+Caches: contiguous ``(B, Hkv, N, D)`` K and V, or a GPU :class:`stochattn.paged.PagedKV`
+(FlashInfer's layout, NHD or HND, page sizes 1 to 128, int32 page tables) read in place
+through the page table; ``N`` is then its ``token_bound`` (the host-known bound of the
+lengths: an engine passes ``max_tokens``). The same tokens, N, seed and offset give the same
+draws and the same output bit for bit, paged or contiguous.
+
+Workspace of one call (:func:`workspace_bytes`; the plan's ``scratch_bytes``): with
+``rows = B Hq`` and C chunks per (sequence, KV head) stream,
+
+    0                                          when C = 1 (the chunk writes ``out`` itself)
+    align256(4 rows C D) + 8 rows C            otherwise: the fp32 chunk partials, then
+                                               their (max, sum) pairs
+
+as exact decode (the same merge). C is chosen per device to fill it in whole waves, with
+chunks of whole sampling tiles: at most ``ceil(N / max(256, tile_size))`` and at most
+``4 slots / (B Hkv) + 1`` (slots: resident CTAs of the GPU), so the workspace is at most
+about ``(4 D + 8) (4 slots G + B Hq)`` bytes whatever N (a few MB). The draws need no
+scratch (they are counted in shared memory). With in-kernel merging (the default) the plan
+also keeps B Hkv int32 arrival counters per CUDA stream, allocated on the first call on
+that stream.
+
+``santa_flash(..., out=, workspace=)``: the output is written into ``out`` (checked) and the
+partials come from ``workspace`` (a kept :class:`.runtime.workspace.Workspace` or a uint8
+GPU array of at least :func:`workspace_bytes` bytes): then a call on a stream it has run on
+before allocates nothing, copies nothing to the host and does not synchronise (seed and
+offset as ints or GPU arrays). The optional outputs (``return_indices``,
+``return_tile_stats``) are still allocated per call (they are not the serving path).
+"""
 
 from __future__ import annotations
 
@@ -18,7 +47,8 @@ from .kernels import group_max
 from .config import flash_tc_smem_bytes, get_config, smem_limit
 from .santa import sampler_code
 
-__all__ = ["santa_flash", "FlashTileStats", "flash_diagnostics", "TILE_SIZES", "KERNELS"]
+__all__ = ["santa_flash", "workspace_bytes", "FlashTileStats", "flash_diagnostics", "TILE_SIZES",
+           "KERNELS"]
 
 _FAMILY = "santa_flash"
 _FAMILY_TC = "santa_flash_tc"
@@ -28,10 +58,11 @@ _FAMILY_TC = "santa_flash_tc"
 KERNELS = ("simt", "tc")
 DEFAULT_KERNEL = "simt"
 # The chunk kernels' per-call arguments (santa_flash_chunk and santa_flash_tc_chunk take
-# the same arguments).
-_CHUNK_VARIABLE = ("q", "k", "v", "seq_lens", "out", "part_o", "part_ml", "counters", "idx_out",
-                   "tile_m_out", "tile_l_out", "samples_out", "seed", "offset", "seed_ptr",
-                   "offset_ptr", "streams")
+# the same arguments): the split-KV ones (inputs, page table, output, partials), then the
+# optional outputs and the random stream.
+_CHUNK_VARIABLE = launch.SPLIT_KV_VARIABLE + ("idx_out", "tile_m_out", "tile_l_out",
+                                              "samples_out", "seed", "offset", "seed_ptr",
+                                              "offset_ptr", "streams")
 # At most G * S_t <= 8 * 2**27 draws per tile share one int32 counter (santa_flash.cu).
 FLASH_MAX_BUDGET = 2**27
 # Powers of two from 32 up to flash_tile.cuh's kFlashMaxTile.
@@ -60,9 +91,10 @@ class FlashTileStats(NamedTuple):
     samples: object
 
 
-def santa_flash(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_size=64, seed=0,
-                offset=0, softmax_scale=None, return_indices=False, return_tile_stats=False,
-                num_chunks=None, check_seq_lens=False, kernel=None):
+def santa_flash(q, k, v=None, seq_lens=None, *, budget, sampler="systematic", tile_size=64,
+                seed=0, offset=0, softmax_scale=None, return_indices=False,
+                return_tile_stats=False, num_chunks=None, check_seq_lens=False, kernel=None,
+                out=None, workspace=None):
     """S²ANTA-flash estimate of one decode step on the GPU: ``sum_t (W_t / Z) mu_t``.
 
     Each of the T_L = ceil(L / tile_size) tiles of a sequence of L tokens draws
@@ -78,21 +110,24 @@ def santa_flash(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_si
     ----------
     q : GPU array, shape (B, Hq, D), float16 or bfloat16
     k, v : GPU array, shape (B, Hkv, N, D), dtype of ``q``
-        Contiguous (else copied); ``Hq // Hkv <= 8``; D is 64 or 128.
+        Contiguous (else copied); ``Hq // Hkv <= 8``; D is 64 or 128. Or ``k`` a GPU
+        :class:`stochattn.paged.PagedKV` and ``v`` None: the pages are read in place (N is
+        its ``token_bound``; see the module docstring).
     seq_lens : integer array, shape (B,), optional
         Sequence lengths; 0 gives a zero row. Host values are checked on the host; GPU
         values are not checked (no synchronisation) unless ``check_seq_lens=True``, and the
-        kernel clamps them to [0, N], so a bad value never reads outside the cache.
+        kernel clamps them to [0, N], so a bad value never reads outside the cache. None
+        with a paged cache (the page table holds the lengths).
     budget : int
         S, 1 <= S <= 2**27: a sequence draws T_L * S_t >= S points in all.
     sampler : {"systematic", "stratified", "iid"}
         How each tile's S_t points are drawn (per tile, from its own stream).
     tile_size : int
         Tokens per tile: 32, 64, 128 or 256.
-    seed : int
-        In [0, 2**64).
-    offset : int
-        In [0, 2**32).
+    seed : int or GPU integer array
+        In [0, 2**64); a GPU array of shape () or (B,) is read by the kernel (docs/rng.md).
+    offset : int or GPU integer array
+        In [0, 2**32); as ``seed``.
     softmax_scale : float, optional
         Default ``1 / sqrt(D)``.
     return_indices : bool
@@ -110,6 +145,13 @@ def santa_flash(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_si
         the tensor cores ("tc"; the tiling is the device config's ``flash_tc_tiling``,
         :mod:`stochattn.cuda.config`). The draws and the estimator are the same; the logits
         differ by fp32 rounding. Default (None): :data:`DEFAULT_KERNEL`.
+    out : GPU array, shape (B, Hq, D), dtype of ``q``, optional
+        Written and returned instead of a fresh output (contiguous, on q's GPU, in q's
+        framework; checked).
+    workspace : Workspace or 1-D uint8 GPU array, optional
+        Where the chunk partials live (:func:`workspace_bytes` bytes; a
+        :class:`.runtime.workspace.Workspace` grows itself); None allocates them per call.
+        The indices and tile statistics, when asked for, are allocated per call.
 
     Returns
     -------
@@ -142,6 +184,22 @@ def santa_flash(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_si
     seed, offset = inputs.check_stream_words(seed, offset)
     want_idx = val.check_bool("return_indices", return_indices)
     want_stats = val.check_bool("return_tile_stats", return_tile_stats)
+    inp, plan = _plan(q, k, v, budget, sampler, tile_size, softmax_scale, num_chunks, kernel)
+    return plan.run(inp, seq_lens, check_seq_lens, seed, offset, want_idx, want_stats, out,
+                    workspace)
+
+
+def workspace_bytes(q, k, v=None, *, budget, sampler="systematic", tile_size=64,
+                    softmax_scale=None, num_chunks=None, kernel=None) -> int:
+    """Scratch bytes of one :func:`santa_flash` call with these inputs and options (the
+    module docstring's formula for the chunk count chosen on this device): what a
+    ``workspace=`` array must hold. Builds (or finds) the launch plan; launches nothing."""
+    return _plan(q, k, v, budget, sampler, tile_size, softmax_scale, num_chunks,
+                 kernel)[1].scratch_bytes
+
+
+def _plan(q, k, v, budget, sampler, tile_size, softmax_scale, num_chunks, kernel):
+    """``(inputs, cached _FlashPlan)`` of a call."""
     kernel = _check_kernel(DEFAULT_KERNEL if kernel is None else kernel)
     inp = inputs.gather(q, k, v)
     cfg = get_config(inp.device)
@@ -151,7 +209,7 @@ def santa_flash(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_si
     plan = inputs.cached_plan(
         key, lambda: _FlashPlan(inp, budget, sampler, tile_size, softmax_scale, num_chunks, cfg,
                                 tiling))
-    return plan.run(inp, seq_lens, check_seq_lens, seed, offset, want_idx, want_stats)
+    return inp, plan
 
 
 def _check_kernel(kernel):
@@ -224,7 +282,8 @@ class _FlashPlan(launch.SplitKVPlan):
                       idx_stride=self.idx_stride, S=S, sampler=sampler_code(sampler),
                       scale=scale))
 
-    def run(self, inp, seq_lens, check_seq_lens, seed, offset, want_idx, want_stats):
+    def run(self, inp, seq_lens, check_seq_lens, seed, offset, want_idx, want_stats, out=None,
+            workspace=None):
         s = self.shape
 
         def outputs(ops, like):  # indices, tile statistics; the seed and offset follow
@@ -239,7 +298,8 @@ class _FlashPlan(launch.SplitKVPlan):
             rs, keep = inputs.stream_args(inp, seed, offset, s.batch, self.device)
             return (indices, stats, keep), ptrs + tuple(rs)
 
-        out, (indices, stats, _keep) = self.launch(inp, seq_lens, check_seq_lens, outputs)
+        out, (indices, stats, _keep) = self.launch(inp, seq_lens, check_seq_lens, outputs,
+                                                   out=out, workspace=workspace)
         if not (want_idx or want_stats):
             return out
         return (out,) + ((indices,) if want_idx else ()) + ((stats,) if want_stats else ())

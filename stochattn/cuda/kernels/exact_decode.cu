@@ -12,6 +12,10 @@
 // group to finish (counters non-null: one zeroed int per (b, KV head), group_state.cuh:
 // merge_if_last_chunk) or by the exact_decode_merge launch (counters null).
 //
+// K and V: contiguous (B, Hkv, N, D) caches, or page pools read in place through the page
+// table that follows seq_lens (kv_rows.cuh; kv_indptr null: contiguous; with pages the
+// lengths come from the table and seq_lens is null).
+//
 // Template parameters: element type (stochattn::f16, stochattn::bf16: 16-bit storage), head dim D (64, 128), GMAX
 // (4 or 8): the register arrays are sized for GMAX heads and the actual group size
 // G <= GMAX is a run-time argument.
@@ -24,7 +28,10 @@ using namespace stochattn;
 template <typename T, int D, int GMAX>
 __global__ void __launch_bounds__(kThreads)
 exact_decode_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                   const int* __restrict__ seq_lens, T* __restrict__ out,
+                   const int* __restrict__ seq_lens, const int* __restrict__ kv_indptr,
+                   const int* __restrict__ kv_indices, const int* __restrict__ kv_last_page_len,
+                   int page_size, long long page_stride, int row_stride, int head_stride,
+                   T* __restrict__ out,
                    float* __restrict__ part_o, float* __restrict__ part_ml,
                    int* __restrict__ counters, int Hkv, int G, long long N, long long chunk_len,
                    int num_chunks, float scale_log2) {
@@ -41,7 +48,9 @@ exact_decode_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __
   const int lr = tid % LPR;   // lane inside the row group: features [8 lr, 8 lr + 8)
   const int rg = tid / LPR;   // row group
 
-  const long long len = sequence_length(seq_lens, b, N);
+  const PageTable table = page_table(kv_indptr, kv_indices, kv_last_page_len, page_size,
+                                     page_stride, row_stride, head_stride);
+  const long long len = stream_length(seq_lens, table, b, N);
   const long long start = (long long)chunk * chunk_len;
   const long long end = min(start + chunk_len, len);
   const long long head0 = (long long)b * Hq + (long long)kvh * G;  // first query head row
@@ -50,7 +59,7 @@ exact_decode_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __
   // max(kStages * 2 * kStageBytes, merge buffers) bytes; reused for the cross-warp merge.
   unsigned char* smem = dynamic_smem();
 
-  if (start >= end) {  // nothing in this chunk (past seq_lens[b], or an empty sequence)
+  if (start >= end) {  // nothing in this chunk (past the sequence's length, or it is empty)
     write_empty_group<T, D>(G, head0, out, part_o, part_ml, num_chunks, chunk);
     if (counters)
       merge_if_last_chunk<T, D>(counters, (long long)b * Hkv + kvh, G, head0, part_o, part_ml, out,
@@ -62,9 +71,9 @@ exact_decode_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __
   float qf[GMAX][8];
   load_group_queries<T, D, GMAX>(q, head0, G, lr, scale_log2, qf);
 
-  const long long stream_off = ((long long)b * Hkv + kvh) * N * D;  // 64-bit element offset
-  const unsigned char* kbase = reinterpret_cast<const unsigned char*>(k + stream_off);
-  const unsigned char* vbase = reinterpret_cast<const unsigned char*>(v + stream_off);
+  // The K and V rows of stream (b, kvh): contiguous or through the page table.
+  const KvRows<D> krows = kv_rows<D>(k, table, b, kvh, Hkv, N);
+  const KvRows<D> vrows = kv_rows<D>(v, table, b, kvh, Hkv, N);
   const long long ntiles = (end - start + ROWS - 1) / ROWS;
 
   // Prologue: the first kStages - 1 tiles in flight (an empty group keeps the count uniform).
@@ -72,8 +81,8 @@ exact_decode_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < ntiles) {
       unsigned char* st = smem + s * 2 * kStageBytes;
-      load_tile_async<D>(st, kbase, start + (long long)s * ROWS, end);
-      load_tile_async<D>(st + kStageBytes, vbase, start + (long long)s * ROWS, end);
+      load_tile_async<D>(st, krows, start + (long long)s * ROWS, end);
+      load_tile_async<D>(st + kStageBytes, vrows, start + (long long)s * ROWS, end);
     }
     cp_async_commit();
   }
@@ -99,8 +108,8 @@ exact_decode_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __
       const long long nx = it + kStages - 1;
       if (nx < ntiles) {
         unsigned char* st = smem + wr * 2 * kStageBytes;
-        load_tile_async<D>(st, kbase, start + nx * ROWS, end);
-        load_tile_async<D>(st + kStageBytes, vbase, start + nx * ROWS, end);
+        load_tile_async<D>(st, krows, start + nx * ROWS, end);
+        load_tile_async<D>(st + kStageBytes, vrows, start + nx * ROWS, end);
       }
       cp_async_commit();
     }

@@ -4,7 +4,8 @@
 // one CTA per (sequence b, KV head, chunk of tokens) computes the G <= 8 query heads of the
 // GQA group, writes the output (one chunk) or the normalised partial output and its
 // (max, sum) in the log2 domain, which the group's last CTA (counters non-null) or
-// exact_decode_merge combines.
+// exact_decode_merge combines. K and V contiguous or paged, read through the page table
+// that follows seq_lens (kv_rows.cuh), as there.
 //
 // FlashAttention-2 style, with the group's query heads as the M dimension (16 rows, rows
 // >= G zero):
@@ -48,7 +49,11 @@ using namespace stochattn;
 template <typename T, int D, int WARPS, int ROWS, int STAGES>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 exact_decode_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                      const int* __restrict__ seq_lens, T* __restrict__ out,
+                      const int* __restrict__ seq_lens, const int* __restrict__ kv_indptr,
+                      const int* __restrict__ kv_indices,
+                      const int* __restrict__ kv_last_page_len, int page_size,
+                      long long page_stride, int row_stride, int head_stride,
+                      T* __restrict__ out,
                       float* __restrict__ part_o, float* __restrict__ part_ml,
                       int* __restrict__ counters, int Hkv, int G, long long N,
                       long long chunk_len, int num_chunks, float scale_log2) {
@@ -69,13 +74,15 @@ exact_decode_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T*
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int grp = lane >> 2, tig = lane & 3;  // mma fragment coordinates
 
-  const long long len = sequence_length(seq_lens, b, N);
+  const PageTable table = page_table(kv_indptr, kv_indices, kv_last_page_len, page_size,
+                                     page_stride, row_stride, head_stride);
+  const long long len = stream_length(seq_lens, table, b, N);
   const long long start = (long long)chunk * chunk_len;
   const long long end = min(start + chunk_len, len);
   const long long head0 = (long long)b * Hq + (long long)kvh * G;  // first query head row
 
   unsigned char* smem = dynamic_smem();
-  if (start >= end) {  // nothing in this chunk (past seq_lens[b], or an empty sequence)
+  if (start >= end) {  // nothing in this chunk (past the sequence's length, or it is empty)
     write_empty_group<T, D, kThreadsTc>(G, head0, out, part_o, part_ml, num_chunks, chunk);
     if (counters)
       merge_if_last_chunk<T, D, kThreadsTc>(counters, (long long)b * Hkv + kvh, G, head0, part_o,
@@ -86,9 +93,9 @@ exact_decode_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T*
   unsigned qa[KS][2];  // A fragments of the queries (tc_common.cuh)
   tc::load_query_frags<T, D>(qa, q, head0, G, grp, tig);
 
-  const long long stream_off = ((long long)b * Hkv + kvh) * N * D;  // 64-bit element offset
-  const unsigned char* kbase = reinterpret_cast<const unsigned char*>(k + stream_off);
-  const unsigned char* vbase = reinterpret_cast<const unsigned char*>(v + stream_off);
+  // The K and V rows of stream (b, kvh): contiguous or through the page table.
+  const KvRows<D> krows = kv_rows<D>(k, table, b, kvh, Hkv, N);
+  const KvRows<D> vrows = kv_rows<D>(v, table, b, kvh, Hkv, N);
   const long long ntiles = (end - start + ROWS - 1) / ROWS;
   // This warp's tiles: warp, warp + WARPS, ...
   const int my_tiles = ntiles > warp ? (int)((ntiles - warp + WARPS - 1) / WARPS) : 0;
@@ -98,8 +105,8 @@ exact_decode_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T*
 
   auto load = [&](int slot, long long i) {  // tile i of this warp (K, then V) into a slot
     unsigned char* st = ring + slot * kStageBytesTc;
-    tc::load_rows<D, ROWS>(st, kbase, tile_row0(i), end, lane);
-    tc::load_rows<D, ROWS>(st + kTileBytes, vbase, tile_row0(i), end, lane);
+    tc::load_rows<D, ROWS>(st, krows, tile_row0(i), end, lane);
+    tc::load_rows<D, ROWS>(st + kTileBytes, vrows, tile_row0(i), end, lane);
   };
   tc::ring_prologue<STAGES>(my_tiles, load);
 

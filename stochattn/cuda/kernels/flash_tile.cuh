@@ -35,15 +35,16 @@ struct WarpTiling {
 // padded by the tensor-core kernel against bank conflicts): tile statistics and local CDFs
 // (in place of the logits), the running state (M, L, acc) of each head, the draws counted
 // per row in cnt ([GMAX][TS], zero on entry and on return), and the gather of the drawn V
-// rows (lane lr = lane % (D / 8) owns features [8 lr, 8 lr + 8) of row group lane / (D / 8)).
+// rows of the stream `vrows` (contiguous or paged, kv_rows.cuh; lane lr = lane % (D / 8)
+// owns features [8 lr, 8 lr + 8) of row group lane / (D / 8)).
 // t: the tile's global index (its Philox stream); tok0: its first token.
 template <typename T, int D, int GMAX>
 __device__ __forceinline__ void flash_tile_epilogue(
     float* xs, int XS, int* cnt, int* list, int TS, int G, long long tok0, long long t,
     long long head0, long long n_tiles, float* __restrict__ tile_m_out,
     float* __restrict__ tile_l_out, long long* __restrict__ idx_out, long long idx_stride, int St,
-    int sampler, unsigned long long seed, unsigned offset, const T* __restrict__ vstream,
-    int lane, float (&M)[GMAX], float (&L)[GMAX], float (&acc)[GMAX][8]) {
+    int sampler, unsigned long long seed, unsigned offset, const KvRows<D>& vrows, int lane,
+    float (&M)[GMAX], float (&L)[GMAX], float (&acc)[GMAX][8]) {
   constexpr int LPR = D / 8;
   constexpr int RG = 32 / LPR;
   constexpr int U = kFlashGatherUnroll;
@@ -205,7 +206,6 @@ __device__ __forceinline__ void flash_tile_epilogue(
     nused += __popc(mask);
   }
   __syncwarp();
-  const T* vtile = vstream + tok0 * D + lr * 8;
   for (int p0 = 0; p0 < nused; p0 += U * RG) {
     uint4 raw[U];
     int rows[U];
@@ -213,9 +213,11 @@ __device__ __forceinline__ void flash_tile_epilogue(
     for (int u = 0; u < U; ++u) {
       const int i = p0 + u * RG + rg;
       rows[u] = i < nused ? list[i] : -1;
-      // A drawn row lies in the sequence (weight > 0), so the load is in bounds.
-      raw[u] = rows[u] >= 0 ? __ldg(reinterpret_cast<const uint4*>(vtile + (long long)rows[u] * D))
-                            : make_uint4(0u, 0u, 0u, 0u);
+      // A drawn row lies in the sequence (weight > 0), so the load (and, paged, the page
+      // number it looks up) is in bounds.
+      raw[u] = rows[u] >= 0
+                   ? __ldg(reinterpret_cast<const uint4*>(vrows.row(tok0 + rows[u]) + lr * 16))
+                   : make_uint4(0u, 0u, 0u, 0u);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -247,17 +249,19 @@ __device__ __forceinline__ void flash_tile_epilogue(
 }
 
 // The token range of a flash chunk CTA (grid (num_chunks, Hkv, B)): [start, end) of
-// sequence b, the first query head row of its group, T_L and S_t = ceil(S / T_L) (the draws
-// of every tile of the sequence, 0 when empty).
+// sequence b (its length from seq_lens or the page table: kv_rows.cuh, stream_length), the
+// first query head row of its group, T_L and S_t = ceil(S / T_L) (the draws of every tile
+// of the sequence, 0 when empty).
 struct FlashChunk {
   long long start, end, head0, seq_tiles;
   int St;
 };
 
-__device__ __forceinline__ FlashChunk flash_chunk(const int* __restrict__ seq_lens, int Hkv, int G,
+__device__ __forceinline__ FlashChunk flash_chunk(const int* __restrict__ seq_lens,
+                                                  const PageTable& table, int Hkv, int G,
                                                   long long N, long long chunk_len, int TS, int S) {
   FlashChunk fc;
-  const long long len = sequence_length(seq_lens, blockIdx.z, N);
+  const long long len = stream_length(seq_lens, table, blockIdx.z, N);
   fc.start = (long long)blockIdx.x * chunk_len;
   fc.end = min(fc.start + chunk_len, len);
   fc.head0 = ((long long)blockIdx.z * Hkv + blockIdx.y) * G;
@@ -268,7 +272,7 @@ __device__ __forceinline__ FlashChunk flash_chunk(const int* __restrict__ seq_le
 
 // What a flash chunk CTA writes before it reads a key: S_t per sequence, -1 in the index
 // slots past T_L * S_t, and (m, l) = (-inf, 0) for the tiles of its range past the
-// sequence; a chunk with nothing to read (past seq_lens[b], or an empty sequence) also
+// sequence; a chunk with nothing to read (past the sequence's length, or it is empty) also
 // writes its empty partial, takes part in the in-kernel merge and returns true (the caller
 // returns).
 template <typename T, int D, int THREADS>

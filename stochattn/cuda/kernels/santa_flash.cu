@@ -10,8 +10,11 @@
 // unbiased because E[mu_t] is the tile's exact local attention output.
 //
 // Kernel santa_flash_chunk: grid (num_chunks, Hkv, B), as exact_decode_chunk; chunk_len is
-// a multiple of tile_size, so no sampling tile straddles two chunks. Inside a CTA every
-// WARP owns whole sampling tiles (tiles warp, warp + kWarps, ... of the chunk) and carries
+// a multiple of tile_size, so no sampling tile straddles two chunks. K and V are contiguous
+// (B, Hkv, N, D) caches or page pools read in place through the page table that follows
+// seq_lens (kv_rows.cuh: the K pipeline and the V gather go through the stream's KvRows,
+// the lengths through stream_length); the same tokens and N give the same draws and
+// output. Inside a CTA every WARP owns whole sampling tiles (tiles warp, warp + kWarps, ... of the chunk) and carries
 // its own state, so the streaming loop has no CTA barrier at all:
 //   1. the warp streams the tile's K rows through its own cp.async pipeline (kFlashStages
 //      stages of kStageBytes / kWarps bytes, deep enough that the loads of the next tile
@@ -63,7 +66,10 @@ using namespace stochattn;
 template <typename T, int D, int GMAX>
 __global__ void __launch_bounds__(kThreads)
 santa_flash_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                  const int* __restrict__ seq_lens, T* __restrict__ out,
+                  const int* __restrict__ seq_lens, const int* __restrict__ kv_indptr,
+                  const int* __restrict__ kv_indices, const int* __restrict__ kv_last_page_len,
+                  int page_size, long long page_stride, int row_stride, int head_stride,
+                  T* __restrict__ out,
                   float* __restrict__ part_o, float* __restrict__ part_ml,
                   int* __restrict__ counters, long long* __restrict__ idx_out, float* __restrict__ tile_m_out,
                   float* __restrict__ tile_l_out, int* __restrict__ samples_out, int Hkv, int G,
@@ -88,7 +94,9 @@ santa_flash_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __r
   const int TS = tile_size;
   const int tile_shift = __ffs(TS) - 1;  // TS is a power of two
 
-  const FlashChunk fc = flash_chunk(seq_lens, Hkv, G, N, chunk_len, TS, S);
+  const PageTable table = page_table(kv_indptr, kv_indices, kv_last_page_len, page_size,
+                                     page_stride, row_stride, head_stride);
+  const FlashChunk fc = flash_chunk(seq_lens, table, Hkv, G, N, chunk_len, TS, S);
   const long long start = fc.start, end = fc.end, head0 = fc.head0;
   const int St = fc.St;
   if (flash_chunk_outputs<T, D, kThreads>(fc, out, part_o, part_ml, counters, idx_out, tile_m_out,
@@ -107,9 +115,9 @@ santa_flash_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __r
   float qf[GMAX][8];
   load_group_queries<T, D, GMAX>(q, head0, G, lr, scale, qf);
 
-  const long long stream_off = ((long long)b * Hkv + kvh) * N * D;  // 64-bit element offset
-  const unsigned char* kbase = reinterpret_cast<const unsigned char*>(k + stream_off);
-  const T* vstream = v + stream_off;
+  // The K and V rows of stream (b, kvh): contiguous or through the page table.
+  const KvRows<D> krows = kv_rows<D>(k, table, b, kvh, Hkv, N);
+  const KvRows<D> vrows = kv_rows<D>(v, table, b, kvh, Hkv, N);
 
   // The warp's tiles: chunk tiles warp, warp + kWarps, ... that start before `end`; each is
   // TS / SR pipeline stages, numbered s = j * SPT + ss over the warp's j-th tile.
@@ -133,7 +141,7 @@ santa_flash_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __r
 
 #pragma unroll
   for (int s = 0; s < kFlashStages - 1; ++s) {
-    if (s < n_stages) load_rows_async<D, RPT, RG>(stages + s * WSB, kbase, next_row(), end, rg, lr);
+    if (s < n_stages) load_rows_async<D, RPT, RG>(stages + s * WSB, krows, next_row(), end, rg, lr);
     cp_async_commit();
   }
 
@@ -160,7 +168,7 @@ santa_flash_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __r
       cp_async_wait<kFlashStages - 2>();
       {
         const long long nx = s + kFlashStages - 1;
-        if (nx < n_stages) load_rows_async<D, RPT, RG>(stages + wr * WSB, kbase, next_row(), end, rg, lr);
+        if (nx < n_stages) load_rows_async<D, RPT, RG>(stages + wr * WSB, krows, next_row(), end, rg, lr);
         cp_async_commit();
       }
       const unsigned char* sk = stages + rd * WSB;
@@ -201,7 +209,7 @@ santa_flash_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __r
     const long long t = (start >> tile_shift) + (long long)j * kWarps + warp;  // the Philox stream
     flash_tile_epilogue<T, D, GMAX>(xs, TS, cnt, list, TS, G, tok0, t, head0, n_tiles, tile_m_out,
                                     tile_l_out, idx_out, idx_stride, St, sampler, seed, offset,
-                                    vstream, lane, M, L, acc);
+                                    vrows, lane, M, L, acc);
   }
   cp_async_wait<0>();
   __syncthreads();  // every warp left the loop: the shared memory becomes the merge buffer

@@ -28,7 +28,10 @@ using namespace stochattn;
 template <typename T, int D, int GMAX, int WARPS, int ROWS, int STAGES>
 __global__ void __launch_bounds__(WARPS * 32)
 santa_flash_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                     const int* __restrict__ seq_lens, T* __restrict__ out,
+                     const int* __restrict__ seq_lens, const int* __restrict__ kv_indptr,
+                     const int* __restrict__ kv_indices, const int* __restrict__ kv_last_page_len,
+                     int page_size, long long page_stride, int row_stride, int head_stride,
+                     T* __restrict__ out,
                      float* __restrict__ part_o, float* __restrict__ part_ml,
                      int* __restrict__ counters, long long* __restrict__ idx_out,
                      float* __restrict__ tile_m_out, float* __restrict__ tile_l_out,
@@ -54,7 +57,9 @@ santa_flash_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* 
   const int tile_shift = __ffs(TS) - 1;         // TS is a power of two
   const int spt_shift = tile_shift - __ffs(ROWS) + 1;  // log2(TS / ROWS): pieces per tile
 
-  const FlashChunk fc = flash_chunk(seq_lens, Hkv, G, N, chunk_len, TS, S);
+  const PageTable table = page_table(kv_indptr, kv_indices, kv_last_page_len, page_size,
+                                     page_stride, row_stride, head_stride);
+  const FlashChunk fc = flash_chunk(seq_lens, table, Hkv, G, N, chunk_len, TS, S);
   const long long start = fc.start, end = fc.end, head0 = fc.head0;
   const int St = fc.St;
   if (flash_chunk_outputs<T, D, THREADS>(fc, out, part_o, part_ml, counters, idx_out, tile_m_out,
@@ -75,9 +80,9 @@ santa_flash_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* 
   unsigned qa[D / 16][2];
   tc::load_query_frags<T, D>(qa, q, head0, G, grp, tig);
 
-  const long long stream_off = ((long long)b * Hkv + kvh) * N * D;  // 64-bit element offset
-  const unsigned char* kbase = reinterpret_cast<const unsigned char*>(k + stream_off);
-  const T* vstream = v + stream_off;
+  // The K and V rows of stream (b, kvh): contiguous or through the page table.
+  const KvRows<D> krows = kv_rows<D>(k, table, b, kvh, Hkv, N);
+  const KvRows<D> vrows = kv_rows<D>(v, table, b, kvh, Hkv, N);
 
   // The warp's pieces: piece i is piece i % SPT of the warp's (i / SPT)-th tile.
   const long long chunk_tiles = (end - start + TS - 1) / TS;
@@ -88,7 +93,7 @@ santa_flash_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* 
     return start + (((i >> spt_shift) * WARPS + warp) << tile_shift) + (i & spt_mask) * ROWS;
   };
   auto load = [&](int slot, long long i) {
-    tc::load_rows<D, ROWS>(ring + slot * kTileBytes, kbase, piece_row0(i), end, lane);
+    tc::load_rows<D, ROWS>(ring + slot * kTileBytes, krows, piece_row0(i), end, lane);
   };
   tc::ring_prologue<STAGES>(my_pieces, load);
 
@@ -130,7 +135,7 @@ santa_flash_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* 
     const long long t = (start >> tile_shift) + (long long)j * WARPS + warp;  // the Philox stream
     flash_tile_epilogue<T, D, GMAX>(xs, XS, cnt, list, TS, G, tok0, t, head0, n_tiles,
                                     tile_m_out, tile_l_out, idx_out, idx_stride, St, sampler,
-                                    seed, offset, vstream, lane, M, L, acc);
+                                    seed, offset, vrows, lane, M, L, acc);
   }
   cp_async_wait<0>();
   __syncthreads();  // every warp left the loop: the shared memory becomes the merge buffer
