@@ -14,6 +14,20 @@ variant ``approx="sample"`` too).
 
 :class:`DoublePPlan` and :class:`ClusterTopKPlan` are the plans of the two decode functions:
 options checked once, then ``plan.run(q, k, v, seq_lens, index=index)``.
+
+Paged caches (:mod:`stochattn.paged`, docs/paged.md): every entry point takes a
+:class:`~stochattn.paged.PagedKV` in place of ``k`` (``v`` and ``seq_lens`` left out). The
+reference reads a contiguous copy; on the GPU the decode kernels and the index append read
+the pages in place, and the index build gathers the paged prefix into a contiguous
+temporary (prefill time: it allocates and synchronises) and builds from it. The index
+keeps token positions, never addresses, so it serves the paged cache as is, and pages may
+move between calls.
+
+Serving on the GPU: ``plan.run(q, cache, index=index, out=out)`` with a plan made by the
+user allocates nothing, copies nothing to the host and does not synchronise once a first
+call has sized the plan's workspace (:attr:`~stochattn.Plan.workspace`; the size is in
+:mod:`stochattn.cuda.doublep`), and ``index.append(cache)`` likewise once the index's own
+workspace is sized (a first append): both can be captured in one CUDA graph.
 """
 
 from __future__ import annotations
@@ -24,7 +38,7 @@ import numpy as np
 
 from . import _validation as val
 from ._backend import backend_of, in_callers_framework
-from ._plan import AttentionPlan, advance, cached_plan, device_of, renamed
+from ._plan import AttentionPlan, advance, cached_plan, device_of, fill_out, is_paged, renamed
 from .diagnostics import Diagnostics
 from .reference import doublep as _ref
 from .reference import kmeans as _km
@@ -180,7 +194,7 @@ class DoublePIndex:
             return _gpu_index().csr_gpu(self)
         return _km.cluster_csr(self.labels, self.sizes, self.window_start, self.n_sink)
 
-    def append(self, k, v=None, seq_lens=None) -> None:
+    def append(self, k, v=None, seq_lens=None, *, workspace=None) -> None:
         """Absorb the tokens that left the exact window, in place.
 
         Call after writing the new tokens into the cache. Tokens in
@@ -194,13 +208,21 @@ class DoublePIndex:
         a host synchronisation. GPU ``seq_lens`` are not read (clamped to [0, N']), and a
         length below the index's, host or GPU, is raised to it instead of raising, since
         the index's lengths live on the device (see :mod:`stochattn.cuda.doublep_index`).
+        The GPU append updates the index's arrays in place (their addresses stay) and takes
+        its scratch from a workspace the index keeps: after a first append it allocates
+        nothing, so it can be captured in a CUDA graph with the decode that follows.
 
         Parameters
         ----------
         k, v : ndarray, shape (B, Hkv, N', D)
-            The grown cache; N' may exceed the N the index was built with.
+            The grown cache; N' may exceed the N the index was built with. Or ``k`` a
+            :class:`~stochattn.paged.PagedKV` (``v`` and ``seq_lens`` None): the lengths
+            come from its page table; on the GPU its pages are read in place.
         seq_lens : integer ndarray, shape (B,), or None
             New lengths (None: N' each), each at least the current ``self.seq_lens``.
+        workspace : None, Workspace or 1-D uint8 GPU array
+            GPU scratch of the append (None: the index's own, kept between appends); the
+            reference takes none (``TypeError``).
 
         Raises
         ------
@@ -209,10 +231,13 @@ class DoublePIndex:
         TypeError
             GPU arrays for a host index, or arrays of another framework than a GPU index's.
         """
-        k, v, seq_lens = _unpaged(k, v, seq_lens)
-        if self.on_gpu or backend_of(k=k, v=v) == "cuda":
-            _gpu_index().append_gpu(self, k, v, seq_lens)
+        if (self.on_gpu or (is_paged(k) and k.device == "cuda")
+                or (not is_paged(k) and backend_of(k=k, v=v) == "cuda")):
+            _gpu_index().append_gpu(self, k, v, seq_lens, workspace)
             return
+        if workspace is not None:
+            raise TypeError("`workspace` is GPU scratch; the reference takes none")
+        k, v, seq_lens = _unpaged(k, v, seq_lens)
         backend_of(k=k, v=v, seq_lens=seq_lens)  # host seq_lens only, for the reference
         B, Hkv, N, D = val.check_kv_inputs(k, v, seq_lens)
         self.check_cache(B, Hkv, D)
@@ -289,6 +314,10 @@ def build_doublep_index(k, v=None, seq_lens=None, *, n_clusters, iterations=10, 
         tensors (float16, bfloat16 or float32) build the index on the GPU, in float32, on
         the caller's current stream and without a host synchronisation; its arrays stay on
         the device, in the caller's framework (see :mod:`stochattn.cuda.doublep_index`).
+        Or ``k`` a :class:`~stochattn.paged.PagedKV` (``v``, ``seq_lens`` None): on the GPU
+        its tokens are first gathered into a contiguous temporary (prefill time: this reads
+        the longest length, a synchronisation, and allocates the copy), and the labels
+        span the cache's ``token_bound`` so that appends never grow them.
     seq_lens : integer ndarray, shape (B,), optional
         Sequence b uses ``k[b, :, :seq_lens[b]]``; default: all N tokens. With GPU caches,
         host lengths are checked and GPU lengths are clamped to [0, N] (read and checked
@@ -334,6 +363,10 @@ def build_doublep_index(k, v=None, seq_lens=None, *, n_clusters, iterations=10, 
     >>> index.sizes.sum(axis=-1)  # middle tokens: 300 - 4 sinks - 64 window
     array([[232, 232]])
     """
+    if is_paged(k) and k.device == "cuda":  # gathered into a contiguous temporary on the GPU
+        return DoublePIndex(**_gpu_index().build_index_gpu(
+            k, v, seq_lens, n_clusters=n_clusters, iterations=iterations, n_sink=n_sink,
+            window=window, seed=seed, tol=tol, check_finite=check_finite))
     k, v, seq_lens = _unpaged(k, v, seq_lens)
     if backend_of(k=k, v=v) == "cuda":
         return DoublePIndex(**_gpu_index().build_index_gpu(
@@ -372,7 +405,7 @@ def _check_index(index, shape, seq_lens):
 
 @in_callers_framework(position=1)
 def _decode_cuda(function, q, k, v, seq_lens, index, softmax_scale, check_finite,
-                 return_diagnostics, **options):
+                 return_diagnostics, out=None, workspace=None, **options):
     """The GPU path of both decode functions: a GPU index of this cache, then the kernels of
     :mod:`stochattn.cuda.doublep` (lengths: the index's, on the device)."""
     from ._backend import host_ints, require_cupy
@@ -388,7 +421,11 @@ def _decode_cuda(function, q, k, v, seq_lens, index, softmax_scale, check_finite
     from .cuda import doublep as _cuda
 
     if check_finite:  # synchronises anyway: check the lengths and the data too
-        val.check_finite(q=q, k=k, v=v)
+        if is_paged(k):  # the pools may hold anything in unused pages and slots: q only
+            val.check_finite(q=q)
+            seq_lens = k.seq_lens
+        else:
+            val.check_finite(q=q, k=k, v=v)
         if seq_lens is not None:
             got, want = host_ints(seq_lens), host_ints(index.seq_lens)
             if not np.array_equal(got, want):
@@ -396,7 +433,8 @@ def _decode_cuda(function, q, k, v, seq_lens, index, softmax_scale, check_finite
                                  f"(call index.append(k, v, seq_lens) after writing new tokens), "
                                  f"got {got.tolist()}")
     res = _cuda.doublep_decode(q, k, v, index, softmax_scale=softmax_scale,
-                               return_diagnostics=return_diagnostics, **options)
+                               return_diagnostics=return_diagnostics, out=out,
+                               workspace=workspace, **options)
     if not return_diagnostics:
         return res
     out, d = res
@@ -556,19 +594,32 @@ class _DecodePlan(AttentionPlan):
     advance_offset = False
 
     def _run(self, backend, q, k, v, seq_lens, diagnose, call):
+        out, workspace = self._buffers(call)
         if "index" not in call:
             raise TypeError(f"`{self.function}` needs `index` (a DoublePIndex) in every call")
         index = call.pop("index")
         seed, offset = self._streams(backend, q, call)
-        result = self._decode(backend, q, k, v, seq_lens, diagnose, index, seed, offset)
+        result = self._decode(backend, q, k, v, seq_lens, diagnose, index, seed, offset, out,
+                              workspace)
         if self.advance_offset:
             advance(offset)
         return result
 
-    def _decode(self, backend, q, k, v, seq_lens, diagnose, index, seed, offset):
+    def _paged_cuda_missing(self) -> list[str]:
+        """The GPU kernels read paged caches in place (the sampled variant's V gather where
+        the S²ANTA-prop kernel takes a page table)."""
+        if getattr(self, "approx", None) == "sample":
+            from .cuda.doublep import _sample_pages_missing
+
+            return _sample_pages_missing()
+        return []
+
+    def _decode(self, backend, q, k, v, seq_lens, diagnose, index, seed, offset, out=None,
+                workspace=None):
         if backend == "cuda":
             return _decode_cuda(self.function, q, k, v, seq_lens, index, self.softmax_scale,
-                                self.check_finite, diagnose, **self._kernel_options(seed, offset))
+                                self.check_finite, diagnose, out=out, workspace=workspace,
+                                **self._kernel_options(seed, offset))
         backend_of(q=q, k=k, v=v, seq_lens=seq_lens)  # host seq_lens only, for the reference
         shape = val.check_attention_inputs(q, k, v, seq_lens)
         if getattr(self, "budget", None) is not None:
@@ -580,11 +631,11 @@ class _DecodePlan(AttentionPlan):
         lens = _check_index(index, shape, seq_lens)
         if self.check_finite:
             val.check_finite(q=q, k=k, v=v)
-        out, d = self._reference(q, k, v, lens, index, scale, seed, offset)
-        out = finish(out, q.dtype)
+        result, d = self._reference(q, k, v, lens, index, scale, seed, offset)
+        result = fill_out(out, finish(result, q.dtype))
         if not diagnose:
-            return out
-        return out, _diagnostics(lens, d)
+            return result
+        return result, _diagnostics(lens, d)
 
 
 class DoublePPlan(_DecodePlan):
@@ -592,8 +643,17 @@ class DoublePPlan(_DecodePlan):
     ``sampler``, ``softmax_scale``, ``check_finite`` as there; ``device`` and the sizes as
     in :class:`~stochattn.SantaPlan`).
 
-    Calls: ``plan.run(q, k, v, seq_lens=None, *, index, seed=0, offset=0)`` returns the
-    output (B, Hq, D); ``plan.diagnose(...)`` returns ``(output, Diagnostics)``.
+    Calls: ``plan.run(q, k, v, seq_lens=None, *, index, seed=0, offset=0, out=None,
+    workspace=None)`` returns the output (B, Hq, D); ``plan.diagnose(...)`` returns
+    ``(output, Diagnostics)``. ``k`` may be a :class:`~stochattn.paged.PagedKV` (``v`` and
+    ``seq_lens`` left out), read in place on the GPU. ``out``: where the output goes (a
+    NumPy array on the reference, which the result is copied into; on the GPU an array of
+    ``q``'s framework, dtype and shape). ``workspace`` (GPU only; ``TypeError`` on the
+    reference): the call's scratch, by default the plan's own :attr:`workspace` (the
+    functions' cached plans allocate per call); its size is documented in
+    :mod:`stochattn.cuda.doublep` (:func:`stochattn.cuda.doublep.workspace_bytes`). With
+    ``out`` and a warmed workspace a GPU ``run`` allocates nothing, copies nothing to the
+    host and does not synchronise; ``diagnose`` may allocate and synchronises.
     """
 
     function = "doublep_attention"
@@ -634,7 +694,9 @@ class DoublePPlan(_DecodePlan):
 
 class ClusterTopKPlan(_DecodePlan):
     """A plan of :func:`cluster_topk_attention` (``k_clusters``, ``softmax_scale``,
-    ``check_finite`` as there). Calls: ``plan.run(q, k, v, seq_lens=None, *, index)``."""
+    ``check_finite`` as there). Calls: ``plan.run(q, k, v, seq_lens=None, *, index,
+    out=None, workspace=None)``, ``out``, ``workspace`` and paged caches as in
+    :class:`DoublePPlan`."""
 
     function = "cluster_topk_attention"
 

@@ -13,6 +13,41 @@ approximated clusters (split-K), and the merge. Diagnostics
 add one launch over the whole cache (the true mass needs every logit) and copy a few
 arrays to the host.
 
+K and V: a contiguous cache (B, Hkv, N, D), or a GPU :class:`~stochattn.paged.PagedKV`
+(FlashInfer's layout, NHD or HND, page sizes 1 to 128) read in place through its page
+table, with N its ``token_bound``. The index keeps token positions, so the same index
+serves a paged cache whose pages move between calls. With a paged cache the lengths are
+the index's clamped to the page table's (the index must describe the cache, as it must
+equal ``seq_lens`` for a contiguous one). The sampled variant's V gather is the
+S²ANTA-prop kernel ``santa_prop_sample``; it takes the page table where that kernel does
+(:func:`_sample_pages_missing` says why not otherwise).
+
+Workspace (scratch) of one call, in bytes, each piece rounded up to 256
+(:func:`workspace_bytes` computes it for given arrays; ``rows = B Hq``, ``pairs = B Hkv``,
+``cap = min(N, NL)`` with NL the index's label axis, ``slices = ceil(cap / 2048)``,
+``T`` = token chunks (about two waves of attention CTAs: a function of the SM count,
+``pairs`` and ``cap``; ``num_chunks`` when given), ``total = T + ceil(C / 1024)`` for
+Double-P's centroid mode, ``T + 1`` for the sampled variant, ``T`` for top-k clusters)::
+
+    4 rows C                      cluster logits
+  + 8 pairs C                     selection codes
+  + 4 rows total D + 8 rows total partial outputs and (max, sum) pairs
+  + 5 pairs slices 2048 + 4 pairs slices    row lists, head masks, counts
+
+and for the sampled variant (budget S, ``n_tiles = ceil(N / 64)``, ``n_pad = 64 n_tiles``)::
+
+  + pairs slices 2048             sampled-head masks
+  + 4 rows n_pad                  logit stash (the C_approx tokens' logits)
+  + 4 B + 16 rows n_tiles         lengths, tile max / sum / prefix
+  + 8 rows (S + 1) (iid; else 8) + 4 rows S    iid points, drawn rows
+
+With ``out=`` and a workspace that holds this (a kept ``Workspace`` after a first call,
+or a caller's uint8 array), a call allocates nothing, copies nothing to the host and does
+not synchronise (so it can be captured in a CUDA graph, device offsets included). The
+optional outputs may allocate: ``return_indices`` its (B, Hq, S) int64 array, and
+``return_diagnostics`` its own scratch, the statistics and the true-mass launch's partials,
+and it synchronises (host copies).
+
 Differences from the float64 reference: logits, weights and sums are float32, so a cluster
 whose cumulative estimated mass lies within float32 rounding of ``p1`` or ``p2`` (or whose
 logit ties another's within rounding, for top-k) may be selected differently; the
@@ -35,13 +70,15 @@ from ..spec import PURPOSE_CLUSTER_SAMPLER, SAMPLERS
 from . import kernels
 from .kernels import abi
 from .runtime import inputs, launch
+from .runtime import workspace as _workspace
+from .runtime.pages import PageArgs, page_args
 from .runtime.arrays import ops_for, to_host
 from .kernels import group_max
 from .config import get_config
 from .santa import _SAMPLE_THREADS, _TILE_LOGITS_PER_CTA, _TILE_THREADS, _TILES_VARIABLE, \
     SAMPLE_VARIABLE, sampler_code
 
-__all__ = ["doublep_decode", "SORT_SELECT_MAX_CLUSTERS"]
+__all__ = ["doublep_decode", "workspace_bytes", "SORT_SELECT_MAX_CLUSTERS"]
 
 #: Largest cluster count whose selection sorts the keys in shared memory (8 bytes each);
 #: above it the radix select runs. Read when a plan is made (tests set it to 0 to compare).
@@ -60,10 +97,13 @@ _LIST_CAP = abi.constant(_FAMILY, "kListCap")
 _LOGITS_VARIABLE = ("q", "centroids", "sizes", "xb")
 _SELECT_VARIABLE = ("xb", "sizes", "lens", "window_start", "codes", "stats", "rows_read",
                     "n_sink", "p1", "p2", "counts", "count")
-_ROWS_VARIABLE = ("lens", "window_start", "labels", "codes", "rows", "hmasks", "counts",
-                  "rows_read", "n_sink", "amasks", "stash", "lens32")
-_ATTEND_VARIABLE = ("q", "k", "v", "rows", "hmasks", "counts", "codes", "xb", "sizes",
-                    "value_sums", "out", "part_o", "part_ml", "amasks", "stash")
+_PAGE_NAMES = PageArgs._fields  # the seven page-table arguments (kernels/kv_rows.cuh)
+_ROWS_VARIABLE = (("lens", "window_start") + _PAGE_NAMES
+                  + ("labels", "codes", "rows", "hmasks", "counts", "rows_read", "n_sink",
+                     "amasks", "stash", "lens32"))
+_ATTEND_VARIABLE = (("q", "k", "v") + _PAGE_NAMES
+                    + ("rows", "hmasks", "counts", "codes", "xb", "sizes", "value_sums", "out",
+                       "part_o", "part_ml", "amasks", "stash"))
 _CLUSTERS_PER_LOGIT_CTA = 128
 _CLUSTERS_PER_ATTEND_CTA = 1024
 #: Sampling tile of the sampled variant's CDF (santa_prop_tiles / santa_prop_sample).
@@ -74,7 +114,8 @@ _INDEX_FIELDS = (("centroids", "float32", 4), ("sizes", "int64", 3), ("value_sum
 
 def doublep_decode(q, k, v, index, *, p1=1.0, p2=1.0, clusters=None, budget=None,
                    sampler="systematic", seed=0, offset=0, softmax_scale=None,
-                   return_diagnostics=False, return_indices=False, num_chunks=None):
+                   return_diagnostics=False, return_indices=False, num_chunks=None, out=None,
+                   workspace=None):
     """One decode step of Double-P (centroid approximation, or with ``budget`` the sampled
     variant) or, with ``clusters``, of fixed top-k clusters, on the GPU.
 
@@ -82,9 +123,12 @@ def doublep_decode(q, k, v, index, *, p1=1.0, p2=1.0, clusters=None, budget=None
     ----------
     q : GPU array, shape (B, Hq, D), float16 or bfloat16
     k, v : GPU array, shape (B, Hkv, N, D), dtype of ``q``
+        Or ``k`` a GPU :class:`~stochattn.paged.PagedKV` and ``v`` None: the pages are read
+        in place through the page table (N: its ``token_bound``).
     index : stochattn.doublep.DoublePIndex
         A GPU index of this cache (same device); its ``seq_lens`` and ``window_start`` are
-        the lengths used (clamped to N and to the label axis).
+        the lengths used (clamped to N and to the label axis, and with a paged cache to
+        the page table's lengths, so nothing past a sequence's pages is read).
     p1, p2 : float in (0, 1]
         Stage 1 and stage 2 thresholds (ignored with ``clusters``).
     clusters : int, optional
@@ -105,6 +149,16 @@ def doublep_decode(q, k, v, index, *, p1=1.0, p2=1.0, clusters=None, budget=None
         without C_approx tokens (it draws nothing).
     num_chunks : int, optional
         Token chunks of the attention launch (tests and tuning); default fills the GPU.
+    out : GPU array (B, Hq, D) of ``q``'s dtype and framework, optional
+        Where the output goes (checked: shape, dtype, device, contiguity).
+    workspace : None, Workspace or 1-D uint8 GPU array
+        The call's scratch (:func:`workspace_bytes`; the module docstring gives the formula):
+        None allocates it, a :class:`~stochattn.cuda.runtime.workspace.Workspace` keeps it
+        between calls, an array must hold at least that many bytes (``ValueError`` naming
+        ``workspace`` otherwise). With ``out`` and a large enough workspace the call
+        allocates nothing, copies nothing to the host and does not synchronise, unless
+        ``return_diagnostics`` (which allocates its own scratch and synchronises) or
+        ``return_indices`` (which allocates the indices).
 
     Returns
     -------
@@ -117,11 +171,36 @@ def doublep_decode(q, k, v, index, *, p1=1.0, p2=1.0, clusters=None, budget=None
         raise ValueError("`budget` (the sampled variant) and `clusters` (top-k) exclude each other")
     if return_indices and budget is None:
         raise ValueError("`return_indices` needs `budget` (only the sampled variant draws rows)")
-    sample = None
-    if budget is not None:
-        sample = _Sample(inputs.check_gpu_budget(budget),
-                         val.check_choice("sampler", sampler, SAMPLERS), _SAMPLE_TILE)
+    sample = _sample_of(budget, sampler)
+    if sample is not None:
         seed, offset = inputs.check_stream_words(seed, offset)
+    inp, ix, plan = _plan(q, k, v, index, clusters is None, sample, softmax_scale, num_chunks)
+    return plan.run(inp, ix, int(index.n_sink), float(p1), float(p2),
+                    0 if clusters is None else int(clusters), bool(return_diagnostics),
+                    (seed, offset), bool(return_indices), out, workspace)
+
+
+def workspace_bytes(q, k, v, index, *, clusters=None, budget=None, sampler="systematic",
+                    softmax_scale=None, num_chunks=None) -> int:
+    """Scratch bytes of one :func:`doublep_decode` call with these arrays and options (the
+    module docstring's formula; the token chunks depend on the device's SM count): what a
+    ``workspace=`` array must hold. Builds (or finds) the launch plan; launches nothing."""
+    if budget is not None and clusters is not None:
+        raise ValueError("`budget` (the sampled variant) and `clusters` (top-k) exclude each other")
+    return _plan(q, k, v, index, clusters is None, _sample_of(budget, sampler), softmax_scale,
+                 num_chunks)[2].scratch_bytes
+
+
+def _sample_of(budget, sampler):
+    """The sampled variant's checked configuration (None without ``budget``)."""
+    if budget is None:
+        return None
+    return _Sample(inputs.check_gpu_budget(budget), val.check_choice("sampler", sampler, SAMPLERS),
+                   _SAMPLE_TILE)
+
+
+def _plan(q, k, v, index, centroid, sample, softmax_scale, num_chunks):
+    """``(inputs, index arrays, cached _DoublePPlan)`` of a call."""
     inp = inputs.gather(q, k, v)
     ix = _IndexArrays.of(index)
     cfg = get_config(inp.device)
@@ -129,9 +208,15 @@ def doublep_decode(q, k, v, index, *, p1=1.0, p2=1.0, clusters=None, budget=None
            type(num_chunks), num_chunks, cfg, SORT_SELECT_MAX_CLUSTERS)
     plan = inputs.cached_plan(
         key, lambda: _DoublePPlan(inp, ix, centroid, softmax_scale, num_chunks, cfg, sample))
-    return plan.run(inp, ix, int(index.n_sink), float(p1), float(p2),
-                    0 if clusters is None else int(clusters), bool(return_diagnostics),
-                    (seed, offset), bool(return_indices))
+    return inp, ix, plan
+
+
+def _sample_pages_missing() -> list:
+    """Why the sampled variant cannot read a paged cache: its V gather (santa_prop_sample,
+    the S²ANTA-prop family's kernel) takes no page table yet; empty once it does."""
+    if "kv_indptr" in abi.kernel("santa_prop", "santa_prop_sample").arg_names:
+        return []
+    return ["the sampled variant's V gather (santa_prop_sample) does not read paged caches yet"]
 
 
 class _Sample(NamedTuple):
@@ -222,6 +307,9 @@ class _DoublePPlan:
         num_chunks = inputs.check_num_chunks(num_chunks)
         C, NL = ix.check(s, self.device)
         self.shape, self.C = s, C
+        self.paged = not isinstance(inp, inputs.Inputs)
+        if self.paged and sample is not None and _sample_pages_missing():
+            raise NotImplementedError("`doublep_attention`: " + _sample_pages_missing()[0])
         ctype = kernels.CTYPES[dtype_name]
         gm = group_max(s.group)
         D = s.head_dim
@@ -337,15 +425,21 @@ class _DoublePPlan:
                             list_off=self.list_off, scale_log2=scale_log2, n_pad=n_pad),
                         pdl=dep)
         if sample is not None:
+            self.tiles_variable = _TILES_VARIABLE
             self.tiles = P(tiles, self.grid_tiles, (_TILE_THREADS,),
                            prop("santa_prop_tiles").bind(
                                _TILES_VARIABLE, Hq=s.q_heads, N=s.tokens, n_pad=n_pad,
                                n_tiles=n_tiles, tile_size=ts), pdl=dep)
             # The draws' partial is the last of the merge's `total` (purpose
             # PURPOSE_CLUSTER_SAMPLER).
+            # By name: the page-table arguments where santa_prop_sample takes them.
+            taken = prop("santa_prop_sample").arg_names
+            self.sample_variable = (SAMPLE_VARIABLE + tuple(
+                n for n in _PAGE_NAMES if n in taken and n not in SAMPLE_VARIABLE)
+                + ("part_o", "part_ml"))
             self.sample = P(sample_k, (rows,), (_SAMPLE_THREADS,),
                             prop("santa_prop_sample").bind(
-                                SAMPLE_VARIABLE + ("part_o", "part_ml"), Hq=s.q_heads, G=s.group,
+                                self.sample_variable, Hq=s.q_heads, G=s.group,
                                 N=s.tokens, n_pad=n_pad, n_tiles=n_tiles, tile_size=ts, S=S,
                                 sampler=sampler_code(sample.sampler),
                                 purpose=PURPOSE_CLUSTER_SAMPLER, num_parts=total, part=total - 1),
@@ -355,17 +449,23 @@ class _DoublePPlan:
             k("exact_decode_merge").bind(("part_o", "part_ml", "out"), num_chunks=total, D=D),
             pdl=dep)
 
-    def run(self, inp, ix, n_sink, p1, p2, count, diagnostics, rng, return_indices):
+    def run(self, inp, ix, n_sink, p1, p2, count, diagnostics, rng, return_indices, out=None,
+            workspace=None):
         ops = inp.ops
         s = self.shape
         sample = self.sample_cfg
         with inputs.device_scope(self.device):
             qp, kp, vp, _null, _keep, stream = inputs.launch_args(inp, None, False, s, self.device)
+            pages = page_args(inp)
             (cent, sizes, vsums, labels, lens, ws), held = ix.pointers()
-            out = ops.empty(inp.q, self.out_shape)
+            out = _workspace.output(ops, inp.q, self.out_shape, None, out, self.device)
             outp = ops.ptr(out)
-            scratch = ops.empty(inp.q, (self.scratch_bytes,), "uint8")
-            base = ops.ptr(scratch)
+            if diagnostics:  # its own scratch, read back by the host (codes)
+                scratch = ops.empty(inp.q, (self.scratch_bytes,), "uint8")
+                base = ops.ptr(scratch)
+            else:
+                base, scratch = _workspace.scratch(ops, inp.q, self.scratch_bytes, workspace,
+                                                   self.device)
             ptrs = tuple(base + o for o in self.offsets)
             xb, codes, po, pml, rl, hm, cnt = ptrs[:7]
             if sample is not None:
@@ -386,16 +486,18 @@ class _DoublePPlan:
             self.logits(stream, qp, cent, sizes, xb)
             self.select(stream, xb, sizes, lens, ws, codes, stats, rows_read, n_sink, p1, p2,
                         1 if count else 0, count)
-            self.rows(stream, lens, ws, labels, codes, rl, hm, cnt, rows_read, n_sink, am, stash,
-                      lens32)
-            self.attend(stream, qp, kp, vp, rl, hm, cnt, codes, xb, sizes, vsums, outp, po, pml,
-                        am, stash)
+            self.rows(stream, lens, ws, *pages, labels, codes, rl, hm, cnt, rows_read, n_sink,
+                      am, stash, lens32)
+            self.attend(stream, qp, kp, vp, *pages, rl, hm, cnt, codes, xb, sizes, vsums, outp,
+                        po, pml, am, stash)
             if sample is not None:
-                self.tiles(stream, stash, lens32, tile_m, tile_l)
+                named = dict(logits=stash, seq_lens=lens32, tile_m=tile_m, tile_l=tile_l)
+                self.tiles(stream, *(named[n] for n in self.tiles_variable))
                 idxp = 0 if indices is None else ops.ptr(indices)
                 rs, _keep_rs = inputs.stream_args(inp, rng[0], rng[1], s.batch, self.device)
-                self.sample(stream, vp, lens32, stash, tile_m, tile_l, cdf, iid, idx32, idxp, outp,
-                            *rs, po, pml)
+                named.update(pages._asdict(), rs._asdict(), v=vp, C=cdf, iid_points=iid,
+                             idx32=idx32, idx_out=idxp, out=outp, part_o=po, part_ml=pml)
+                self.sample(stream, *(named[n] for n in self.sample_variable))
             if self.merge is not None:
                 self.merge(stream, po, pml, outp)
             res = (out,) + ((indices,) if return_indices else ())
@@ -417,11 +519,11 @@ class _DoublePPlan:
         tm_chunks = max(1, min(64, math.ceil(s.tokens / 2048)))
         tm_len = math.ceil(s.tokens / tm_chunks)
         part = ops.empty(inp.q, (rows * tm_chunks * 3,), "float32")
-        qp, kp = np.uint64(ops.ptr(inp.q)), np.uint64(ops.ptr(inp.k))
         lens, ws, labels = lens_ws_labels
         self.true_mass((tm_chunks, s.kv_heads, s.batch), (_LOGIT_THREADS,),
                        abi.kernel(_FAMILY, "doublep_true_mass").args_of(
-                           q=ops.ptr(inp.q), k=ops.ptr(inp.k), lens=lens, window_start=ws,
+                           q=ops.ptr(inp.q), k=ops.ptr(inp.k), **page_args(inp)._asdict(),
+                           lens=lens, window_start=ws,
                            labels=labels, codes=codes, part=ops.ptr(part), Hkv=s.kv_heads,
                            G=s.group, N=s.tokens, NL=self.NL, C=self.C, n_sink=n_sink,
                            chunk_len=tm_len, scale_log2=self.scale_log2), stream)

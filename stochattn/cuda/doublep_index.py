@@ -23,7 +23,13 @@ arrays):
 
 - **Build.** :func:`stochattn.cuda.kmeans.kmeans_gpu` (Numba-CUDA: seeding bit for bit the
   reference's, float32 Lloyd iterations, deterministic statistics) gives every field but
-  ``seq_lens``, which is stored as an int64 device copy of the lengths.
+  ``seq_lens``, which is stored as an int64 device copy of the lengths. A paged cache (a
+  GPU :class:`~stochattn.paged.PagedKV`) is first gathered into a contiguous temporary
+  (:func:`gather_prefix`: a few framework operations over the page table; it reads the
+  longest length, a synchronisation, and allocates the copy, which is freed after the
+  build), and the labels are then widened to the cache's ``token_bound`` (so appends never
+  grow them). This is prefill time only; the index keeps token positions, never page
+  addresses, so it serves the paged cache as is, and pages may move between calls.
 - **Append.** Two CUDA C++ kernels (``doublep_append.cu``, CuPy RawKernels: microseconds
   of host time per launch), exactly the reference's ``append_tokens``: the tokens that
   leave the window, in position order, seed the clusters that have no centroid yet
@@ -34,7 +40,13 @@ arrays):
   over about two blocks per SM, and ``doublep_append``, one block per (sequence, KV head),
   seeds, takes those minima, scores any later join of a bulk append itself, updates sizes,
   labels and float32 value sums in position order, and writes the new lengths and window
-  starts (fresh arrays). One score code serves both kernels, so appending one token at a
+  starts over the index's own arrays (the first kernel stages each sequence's token range
+  in scratch, so no block reads a value the second kernel rewrites). The index's arrays
+  keep their addresses, the scratch (:func:`append_scratch_bytes`) comes from a workspace
+  the index keeps, and the lengths come from the page table (paged), a GPU array read by
+  pointer, or N: such an append allocates nothing and does not synchronise, so an engine
+  captures it in a CUDA graph with its decode step. A paged cache is read in place (K and
+  V rows through the page table, any page size 1 to 128, NHD or HND). One score code serves both kernels, so appending one token at a
   time gives the same index, bit for bit, as one bulk append, and each value sum is the
   sequential float32 sum of its members in position order (build and appends alike). Cost
   per joining token: the ``C * D`` float32 centroids of its (sequence, KV head) read once
@@ -48,14 +60,18 @@ arrays):
 - **Value means, stack.** Array operations of the framework.
 
 Host synchronisations: at build time, one event wait per k-means round (the early stop:
-see :mod:`stochattn.cuda.kmeans`); otherwise none on these paths, except
+see :mod:`stochattn.cuda.kmeans`) and, for a paged cache, the read of the longest length;
+otherwise none on these paths, except
 ``check_finite=True`` (reads k, v and GPU ``seq_lens``) and ``repr`` (prints the lengths). One caveat at build time:
 ``kmeans_gpu`` takes its scratch buffers from Numba's allocator (``cuMemAlloc``, freed
 later by ``cuMemFree``), which is not stream-ordered and may serialise with the device; the
-append allocates only through the framework. Host ``seq_lens`` (NumPy, list, CPU tensor)
+append allocates only through the framework, and only where its docstring says
+(:func:`append_gpu`: a first append sizing the workspace, labels that must grow, host or
+odd-dtype ``seq_lens``). Host ``seq_lens`` (NumPy, list, CPU tensor)
 are checked on the host and copied to the device; GPU ``seq_lens`` have their
 shape, dtype and device checked, and their values are not read: they are clamped to
-``[0, N]`` on the device, and at an append also to at least the index's lengths (a
+``[0, N]`` on the device (a paged cache's lengths: the page table's, read by the append
+kernels), and at an append also to at least the index's lengths (a
 sequence never shrinks; the reference raises instead, which would need a synchronisation
 here).
 
@@ -77,9 +93,10 @@ from .. import _validation as val
 from .._backend import require_cupy
 from .runtime.arrays import CUPY, TORCH, ArrayMeta, host_values, launch_stream, ops_for, to_cupy
 from .runtime.inputs import device_scope
+from .runtime.pages import CONTIGUOUS
 
-__all__ = ["build_index_gpu", "append_gpu", "csr_gpu", "value_means_gpu", "stack_gpu",
-           "device_label"]
+__all__ = ["build_index_gpu", "append_gpu", "append_scratch_bytes", "gather_prefix", "csr_gpu",
+           "value_means_gpu", "stack_gpu", "device_label"]
 
 
 # ---- the framework operations the index needs -------------------------------------------------
@@ -359,6 +376,12 @@ def build_index_gpu(k, v, seq_lens=None, *, n_clusters, iterations=10, n_sink=4,
         Keyword arguments of DoublePIndex: the arrays of the module docstring's table in
         the framework of ``k``, and ``n_sink``, ``window``, ``n_clusters``.
     """
+    bound = None
+    if _is_paged(k):  # a paged prefix: a contiguous temporary copy (see gather_prefix)
+        if v is not None or seq_lens is not None:
+            raise TypeError("with a paged cache (`k` a PagedKV) pass no `v` and no `seq_lens`: "
+                            "the page table holds the values and the lengths")
+        k, v, seq_lens, bound = gather_prefix(k)
     api, k, v = _cache_arrays("build_doublep_index", k, v)
     (B, Hkv, N, D), device = _check_cache(api, k, v)
     n_clusters, iterations, n_sink, window, seed = val.check_index_options(
@@ -373,6 +396,10 @@ def build_index_gpu(k, v, seq_lens=None, *, n_clusters, iterations=10, n_sink=4,
         extra = {} if tol is None else dict(tol=tol)
         arrays = kmeans.kmeans_gpu(k, v, lens, n_clusters=n_clusters, iterations=iterations,
                                    n_sink=n_sink, window=window, seed=seed, **extra)
+        if bound is not None and bound > int(arrays["labels"].shape[-1]):
+            # Labels over the paged cache's whole token_bound: appends (and a CUDA graph
+            # that captures them) never grow them.
+            arrays = dict(arrays, labels=_grown_labels(api, arrays["labels"], bound))
     return dict(arrays, seq_lens=lens, n_sink=n_sink, window=window, n_clusters=n_clusters)
 
 
@@ -409,80 +436,323 @@ def _append_launchers(device: int, dtype_name: str):
     return kernels
 
 
-def append_gpu(index, k, v, seq_lens) -> None:
+def append_scratch_bytes(batch: int, kv_heads: int, clusters: int,
+                         device: int | None = None) -> int:
+    """Bytes of scratch one append of an index of ``batch`` sequences, ``kv_heads`` KV heads
+    and ``clusters`` clusters takes on ``device`` (default: the current one): the token
+    ranges ``align(32 B)`` plus the partial minima ``align(8 B Hkv kFastTokens S)`` with
+    ``S = max(1, min(ceil(2 SMs / (B Hkv)), ceil(C / 64)))`` (each piece rounded up to 256
+    bytes). Needs CuPy (the SM count)."""
+    from .runtime import launch
+
+    with device_scope(_current_device() if device is None else device):
+        return _append_layout(batch, kv_heads, clusters, launch.num_sms())[2]
+
+
+def _current_device() -> int:
+    import cupy
+
+    return cupy.cuda.runtime.getDevice()
+
+
+def _append_layout(B: int, Hkv: int, C: int, sms: int):
+    """``(S, offsets, total bytes)`` of one append's scratch: staging (B, 4) int64, then the
+    partial minima (B Hkv, kFastTokens, S) uint64."""
+    from .runtime import launch
+
+    # Split the centroid scan over enough blocks for two per SM, 64+ centroids each.
+    S = max(1, min(-(-2 * sms // (B * Hkv)), -(-C // 64)))
+    offsets, total = launch.layout((32 * B, 8 * B * Hkv * _fast_tokens() * S))
+    return S, offsets, total
+
+
+def append_gpu(index, k, v, seq_lens, workspace=None) -> None:
     """:meth:`DoublePIndex.append <stochattn.doublep.DoublePIndex.append>` of a GPU index,
-    in place (no host synchronisation; see the module docstring).
+    in place (see the module docstring).
+
+    The index's arrays keep their addresses (lengths and window starts are rewritten in
+    place by the kernels), and a call allocates nothing, copies nothing to the host and
+    does not synchronise when: its scratch comes from a kept :class:`Workspace` that is
+    large enough (the index's own, warmed by an earlier append, or ``workspace``), the
+    labels already span the cache's N (a paged index is built with labels over the cache's
+    ``token_bound``; a contiguous cache that grew past them is extended once, allocating),
+    and ``seq_lens`` is None, a paged cache's table, or a contiguous int32/int64 GPU array.
+    So an append can be captured in a CUDA graph with the decode after it (warm it up
+    eagerly first). Host ``seq_lens`` are checked and copied to the device (an allocation
+    and a host-to-device copy per call).
 
     Parameters
     ----------
     index : DoublePIndex
         Built on the GPU (CuPy arrays or torch CUDA tensors).
     k, v : arrays of the index's framework and device, shape (B, Hkv, N', D)
-        The grown cache (float16, bfloat16 or float32); N' may exceed the index's N.
+        The grown cache (float16, bfloat16 or float32); N' may exceed the index's N. Or
+        ``k`` a GPU :class:`~stochattn.paged.PagedKV` (then ``v`` and ``seq_lens`` None):
+        the pages are read in place, the new lengths come from the page table (read on the
+        device), and N' is its ``token_bound``.
     seq_lens : integer array, shape (B,), or None
         New lengths (None: N' each). Host values are checked against [0, N']; GPU values
-        are clamped to [0, N']. Either way each is raised to at least the index's length.
+        are clamped to [0, N'] on the device. Either way each is raised to at least the
+        index's length.
+    workspace : None, Workspace or 1-D uint8 GPU array
+        Scratch (:func:`append_scratch_bytes` bytes): None takes the index's own kept
+        workspace.
 
     Raises
     ------
     TypeError
         An index of NumPy arrays (the simulator's: :meth:`DoublePIndex.append` runs the
-        reference on those), ``k`` from another framework than the index, bad dtypes.
+        reference on those), ``k`` from another framework than the index, bad dtypes
+        (int64 page tables: FlashInfer's int32 is required).
     ValueError
-        Shapes that do not match the index, ``k`` on another GPU, bad host ``seq_lens``.
+        Shapes that do not match the index, ``k`` on another GPU, bad host ``seq_lens``, a
+        page size outside [1, 128], a workspace too small.
     """
     api = _api_of_array("index", index.centroids)
+    paged = _is_paged(k)
     if api is NUMPY_API:
-        if not (isinstance(k, np.ndarray) and isinstance(v, np.ndarray)):
+        if not paged and not (isinstance(k, np.ndarray) and isinstance(v, np.ndarray)):
             raise TypeError(f"`k` must be a NumPy array like the index's arrays (an index built "
                             f"from NumPy arrays stays on the host), got {_tname(k)}")
         raise TypeError("`index` must hold GPU arrays to append on the GPU, got NumPy arrays "
                         "(DoublePIndex.append runs the reference on a host index)")
-    api_k, k, v = _cache_arrays("DoublePIndex.append", k, v)
-    if api_k is not api:
-        raise TypeError(f"`k` must be a {_FRAMEWORK[api.name]} like the index's arrays (the index "
-                        f"was built from {_FRAMEWORK[api.name]}s), got {_tname(k)}")
-    (B, Hkv, N, D), device = _check_cache(api, k, v)
-    index._check_cache(B, Hkv, D)
-    if api.device(index.centroids) != device:
-        raise ValueError(f"`k` must be on the GPU of the index ({api.device(index.centroids)}), "
-                         f"got device {device}")
-    ops = ops_for("k", k)
-    k, v = _same_rows(ops, k, v)
+    if paged:
+        if v is not None or seq_lens is not None:
+            raise TypeError("with a paged cache (`k` a PagedKV) pass no `v` and no `seq_lens`: "
+                            "the page table holds the values and the lengths")
+        cache = _paged_cache(api, k, index)
+        (B, Hkv, N, D), device, dtype = cache.shape, cache.device, cache.dtype
+        kpool, vpool = cache.k, cache.v
+        st = (0, 0, 0)
+        pa = cache.page_args
+        lens_ptr, lens64, keep = 0, 0, None
+    else:
+        api_k, k, v = _cache_arrays("DoublePIndex.append", k, v)
+        if api_k is not api:
+            raise TypeError(f"`k` must be a {_FRAMEWORK[api.name]} like the index's arrays (the "
+                            f"index was built from {_FRAMEWORK[api.name]}s), got {_tname(k)}")
+        (B, Hkv, N, D), device = _check_cache(api, k, v)
+        index._check_cache(B, Hkv, D)
+        if api.device(index.centroids) != device:
+            raise ValueError(f"`k` must be on the GPU of the index "
+                             f"({api.device(index.centroids)}), got device {device}")
+        dtype = api.dtype_name(k)
+        kpool, vpool = _same_rows(ops_for("k", k), k, v)
+        st = _element_strides(ops_for("k", k), kpool)
+        pa = CONTIGUOUS
+    ops = ops_for("index", index.seq_lens)
+    p = ops.ptr
     with api.scope(device), device_scope(device):
-        new = _device_lens(api, seq_lens, k, B, N, check=False)
+        if not paged:
+            lens_ptr, lens64, keep = _append_lens(api, ops, seq_lens, index.seq_lens, B, N)
         labels = index.labels
-        if N > labels.shape[-1]:  # the cache grew: extend the labels with -1
-            grown = api.full(labels, (B, Hkv, N), -1, "int32")
-            grown[..., :labels.shape[-1]] = labels
-            labels = grown
-        # New lengths and window starts: rows of one buffer, each 16-byte aligned (the
-        # decode kernels' inputs must be).
-        Bp = B + (B & 1)
-        out = ops.empty(index.seq_lens, (2, Bp), "int64")
-        st = _element_strides(ops, k)
+        if N > labels.shape[-1]:  # the cache grew: extend the labels with -1 (allocates)
+            labels = _grown_labels(api, labels, N)
         C = int(index.centroids.shape[2])
-        (score_k, score), (append_k, append), sms = _append_launchers(device,
-                                                                      api.dtype_name(k))
-        # Split the centroid scan over enough blocks for two per SM, 64+ centroids each.
-        S = max(1, min(-(-2 * sms // (B * Hkv)), -(-C // 64)))
-        partial = ops.empty(index.seq_lens, (B * Hkv * _fast_tokens() * S,), "int64")
-        p = ops.ptr
-        shared = dict(sb=st[0], sh=st[1], st=st[2], n_cache=N, new_lens=p(new),
-                      old_lens=p(index.seq_lens), window_start=p(index.window_start),
-                      n_init=p(index.n_initialized), centroids=p(index.centroids),
-                      partial=p(partial), Hkv=Hkv, C=C, D=D, NL=labels.shape[-1],
-                      n_sink=index.n_sink, window=index.window)
+        (score_k, score), (append_k, append), sms = _append_launchers(device, dtype)
+        S, offsets, nbytes = _append_layout(B, Hkv, C, sms)
+        from .runtime.workspace import scratch
+
+        if workspace is None:
+            workspace = _index_workspace(index)
+        base, _keep_scratch = scratch(ops, index.seq_lens, nbytes, workspace, device)
+        staging, partial = (base + o for o in offsets)
+        pages = dict(zip(_PAGE_NAMES, pa))
+        common = dict(keys=p(kpool), sb=st[0], sh=st[1], st=st[2], partial=partial,
+                      staging=staging, Hkv=Hkv, C=C, D=D, NL=labels.shape[-1], **pages)
         stream = launch_stream(ops, device)
         score.smem = append.smem = 4 * D  # one key, widened
-        score((B * Hkv, S), (_SCORE_THREADS,), score_k.args_of(keys=p(k), **shared), stream)
+        score((B * Hkv, S), (_SCORE_THREADS,),
+              score_k.args_of(n_cache=N, new_lens=lens_ptr, lens64=lens64,
+                              old_lens=p(index.seq_lens), window_start=p(index.window_start),
+                              n_init=p(index.n_initialized), centroids=p(index.centroids),
+                              n_sink=index.n_sink, window=index.window, **common), stream)
         append((B * Hkv,), (_APPEND_THREADS,),
-               append_k.args_of(keys=p(k), values=p(v), lens_out=p(out),
-                                ws_out=ops.ptr(out) + 8 * Bp, sizes=p(index.sizes),
-                                value_sums=p(index.value_sums), labels=p(labels), S=S, **shared),
+               append_k.args_of(values=p(vpool), lens=p(index.seq_lens),
+                                window_start=p(index.window_start), n_init=p(index.n_initialized),
+                                centroids=p(index.centroids), sizes=p(index.sizes),
+                                value_sums=p(index.value_sums), labels=p(labels), S=S, **common),
                stream)
-    # Stream-ordered after the kernels, which read the old lengths and window starts.
-    index.labels, index.seq_lens, index.window_start = labels, out[0, :B], out[1, :B]
+        del keep  # the lengths' device copy: freed stream-ordered after the kernels
+    index.labels = labels
+
+
+_PAGE_NAMES = ("kv_indptr", "kv_indices", "kv_last_page_len", "page_size", "page_stride",
+               "row_stride", "head_stride")
+
+
+def _index_workspace(index):
+    """The append scratch an index keeps (a :class:`Workspace`, made on first use)."""
+    ws = getattr(index, "_append_workspace", None)
+    if ws is None:
+        from .runtime.workspace import Workspace
+
+        ws = Workspace()
+        object.__setattr__(index, "_append_workspace", ws)
+    return ws
+
+
+def _grown_labels(api, labels, N: int):
+    grown = api.full(labels, tuple(labels.shape[:2]) + (N,), -1, "int32")
+    grown[..., :labels.shape[-1]] = labels
+    return grown
+
+
+def _append_lens(api, ops, seq_lens, like, B: int, N: int):
+    """``(pointer, 1 for int64 else 0, keep_alive)`` of the requested lengths of a
+    contiguous append: None gives the null pointer (N each); an int32 or int64 contiguous
+    GPU array of the index's framework and device goes by pointer (clamped to [0, N] by the
+    kernel, not read here); host values are checked and copied (an allocation); any other
+    GPU integer array is converted (an allocation)."""
+    if seq_lens is None:
+        return 0, 0, None
+    host = host_values("seq_lens", seq_lens)
+    if host is not None:
+        host = np.asarray(host)
+        val.check_seq_lens(host, B, N)  # host data: checking costs nothing
+        dev = api.from_host(like, np.ascontiguousarray(host, dtype=np.int64))
+        return ops.ptr(dev), 1, dev
+    if not api.is_array(seq_lens):  # another framework's GPU array: zero-copy through DLPack
+        seq_lens = to_cupy("seq_lens", seq_lens)
+        if api is TORCH_API:
+            import torch
+
+            seq_lens = torch.from_dlpack(seq_lens)
+    shape = tuple(int(s) for s in seq_lens.shape)
+    if shape != (B,):
+        raise ValueError(f"`seq_lens` must have shape ({B},), got {shape}")
+    dname = api.dtype_name(seq_lens)
+    if dname not in _INTS:
+        raise TypeError(f"`seq_lens` must have an integer dtype, got {dname}")
+    device = api.device(like)
+    if api.device(seq_lens) != device:
+        raise ValueError(f"`seq_lens` must be on the GPU of `k` ({device}), "
+                         f"got device {api.device(seq_lens)}")
+    contiguous = seq_lens.is_contiguous() if api is TORCH_API else seq_lens.flags.c_contiguous
+    if dname not in ("int32", "int64") or not contiguous:
+        seq_lens = api.astype(seq_lens, "int64")
+        dname = "int64"
+    return ops.ptr(seq_lens), int(dname == "int64"), seq_lens
+
+
+def _is_paged(k) -> bool:
+    return type(k).__name__ == "PagedKV" and type(k).__module__ == "stochattn.paged"
+
+
+class _PagedCache:
+    """A GPU PagedKV as the index kernels read it: the pools in the index's framework,
+    the virtual shape (B, Hkv, N = token_bound, D), the device, the dtype name and the
+    seven page-table arguments (runtime/pages.py's PageArgs)."""
+
+    __slots__ = ("k", "v", "tables", "shape", "device", "dtype", "page_args", "cache")
+
+
+def _paged_cache(api, cache, index=None) -> _PagedCache:
+    """Check a GPU :class:`~stochattn.paged.PagedKV` for the index kernels (attributes
+    only, nothing read): pools of the index's framework (or CuPy / torch for a build), one
+    device, float16 / bfloat16 / float32, shared strides with D contiguous; int32
+    contiguous page tables on that device; page sizes 1 to 128; for an append, the
+    index's batch, heads and head dim."""
+    from .runtime.pages import MAX_PAGE_SIZE, PageArgs, _framework_array, _strides
+
+    if cache.device != "cuda":
+        raise TypeError("a paged cache of NumPy arrays runs on the reference; the GPU index "
+                        "needs GPU pages")
+    ops = TORCH if api is TORCH_API else (CUPY if api is CUPY_API else ops_for("k_pages",
+                                                                              cache.k_pages))
+    if ops is not TORCH and ops is not CUPY:
+        ops = CUPY
+    k, v = (_framework_array(ops, n, getattr(cache, n)) for n in ("k_pages", "v_pages"))
+    if index is not None and _api_of_array("k_pages", k) is not api:
+        raise TypeError(f"`k_pages` must be a {_FRAMEWORK[api.name]} like the index's arrays, "
+                        f"got {_tname(cache.k_pages)}")
+    kapi = _api_of_array("k_pages", k)
+    dtype = kapi.dtype_name(k)
+    if dtype not in ("float16", "bfloat16", "float32"):
+        raise TypeError(f"`k_pages` must be float16, bfloat16 or float32 on the GPU, got {dtype}")
+    device = kapi.device(k)
+    if kapi.device(v) != device:
+        raise ValueError(f"`k_pages` and `v_pages` must be on one GPU, got devices {device} and "
+                         f"{kapi.device(v)}")
+    ks, vs = _strides(ops, k), _strides(ops, v)
+    if ks != vs:
+        raise ValueError(f"`k_pages` and `v_pages` must share their strides (elements), got {ks} "
+                         f"and {vs}")
+    P = cache.page_size
+    if not 1 <= P <= MAX_PAGE_SIZE:
+        raise ValueError(f"`page_size` must be in [1, {MAX_PAGE_SIZE}] on the GPU, got {P}")
+    page_stride, a1, a2, last = ks
+    row_stride, head_stride = (a1, a2) if cache.layout == "NHD" else (a2, a1)
+    if last != 1:
+        raise ValueError(f"the page pools must hold each row's features contiguously, got "
+                         f"strides {ks}")
+    tables = [_framework_array(ops, n, getattr(cache, n))
+              for n in ("kv_indptr", "kv_indices", "kv_last_page_len")]
+    for name, a in zip(("kv_indptr", "kv_indices", "kv_last_page_len"), tables):
+        tdtype, _, tdev = ops.meta(a)
+        if ops.dtype_name(tdtype) != "int32":
+            raise TypeError(f"`{name}` must be int32 on the GPU (FlashInfer's dtype), got "
+                            f"{ops.dtype_name(tdtype)}")
+        if tdev != device:
+            raise ValueError(f"`{name}` must be on the GPU of the pages ({device}), got device "
+                             f"{tdev}")
+        contiguous = a.is_contiguous() if ops is TORCH else a.flags.c_contiguous
+        if not contiguous:
+            raise ValueError(f"`{name}` must be contiguous")
+    B, H, D, N = cache.batch, cache.kv_heads, cache.head_dim, cache.token_bound
+    if index is not None:
+        index._check_cache(B, H, D)
+        if api.device(index.centroids) != device:
+            raise ValueError(f"`k_pages` must be on the GPU of the index "
+                             f"({api.device(index.centroids)}), got device {device}")
+    out = _PagedCache()
+    out.k, out.v, out.tables, out.cache = k, v, tables, cache
+    out.shape, out.device, out.dtype = (B, H, N, D), device, dtype
+    out.page_args = PageArgs(*(np.uint64(ops.ptr(a)) for a in tables), np.int32(P),
+                             np.int64(page_stride), np.int32(row_stride), np.int32(head_stride))
+    return out
+
+
+def gather_prefix(cache):
+    """``(k, v, seq_lens, N)`` of a GPU paged cache for an index build: contiguous
+    ``(B, Hkv, Ng, D)`` copies of its tokens (zero past each length) with ``Ng =
+    max(longest sequence, 1)``, the lengths (int64, on the device) and the cache's
+    ``token_bound`` N. Prefill-time only: it reads the longest length (a synchronisation)
+    and allocates the copies and index arrays (a few framework operations: no kernel of
+    its own). The index keeps token positions, never addresses, so the built index serves
+    the paged cache as is."""
+    c = _paged_cache(None, cache)
+    kapi = _api_of_array("k_pages", c.k)
+    indptr, indices, _ = c.tables
+    B, H, N, D = c.shape
+    P = cache.page_size
+    with kapi.scope(c.device):
+        indptr64 = kapi.astype(indptr, "int64")
+        count = indptr64[1:] - indptr64[:-1]  # pages per sequence
+        lens = kapi.where(count > 0, (count - 1) * P + kapi.astype(c.tables[2], "int64"),
+                          kapi.full(count, (B,), 0, "int64"))
+        Ng = max(int(kapi.to_numpy(lens).max()) if B else 0, 1)  # synchronises
+        nnz = int(indices.shape[0])
+        if nnz == 0:
+            k = kapi.full(c.k, (B, H, Ng, D), 0, c.dtype)
+            return k, kapi.full(c.k, (B, H, Ng, D), 0, c.dtype), lens, N
+        t = kapi.arange(lens, Ng)  # int64
+        start = indptr64[:-1]
+        slot = kapi.clip(start[:, None] + t[None, :] // P, 0, nnz - 1)
+        valid = t[None, :] < lens[:, None]
+        page = kapi.astype(indices, "int64")[slot]  # (B, Ng)
+        inner = t % P
+        out = []
+        for pool in (c.k, c.v):
+            # (num_pages, page_size, Hkv, D) in both layouts (an HND pool: a strided view)
+            nhd = pool if cache.layout == "NHD" else (
+                pool.transpose(1, 2) if kapi is TORCH_API else pool.transpose(0, 2, 1, 3))
+            rows = nhd[page, inner[None, :]]  # (B, Ng, Hkv, D)
+            rows = kapi.where(valid[:, :, None, None], rows,
+                              kapi.full(rows, (), 0, c.dtype))
+            rows = rows.permute(0, 2, 1, 3) if kapi is TORCH_API else rows.transpose(0, 2, 1, 3)
+            out.append(rows.contiguous() if kapi is TORCH_API else kapi.xp.ascontiguousarray(rows))
+    return out[0], out[1], lens, N
 
 
 def _element_strides(ops, a):

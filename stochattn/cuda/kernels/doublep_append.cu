@@ -29,6 +29,20 @@
 // runs it, so appending one token at a time gives the same index, bit for bit, as one
 // bulk append. Cost per joining token: the C * D float32 centroids of (b, h) read once,
 // spread over S blocks.
+//
+// In place and graph-safe: kernel 1 reads the index's lengths and window starts and writes
+// each sequence's token range (start, stop, new window start, new length) to `staging`;
+// kernel 2 reads only `staging` and its block of head 0 writes the new length and window
+// start over the index's own arrays. So the index's arrays keep their addresses (a CUDA
+// graph that captured an append and a decode replays both correctly), and no block reads
+// a value another block of the same grid rewrites. `partial` and `staging` are scratch
+// (a workspace the index keeps).
+//
+// The cache: contiguous (B, Hkv, N, D) with element strides (sb, sh, st), or paged in
+// FlashInfer's layout (kv_rows.cuh's page table; strides in elements of T; the new lengths
+// then come from the page table and `new_lens` is null). Any element type (float16,
+// bfloat16, float32): rows are read element by element, so only element alignment is
+// needed. The index keeps token positions, never addresses: pages may move between calls.
 #include "decode_common.cuh"
 
 namespace stochattn {
@@ -41,6 +55,44 @@ __device__ __forceinline__ float widen(float x) { return x; }
 __device__ __forceinline__ unsigned ordered_bits(float x) {
   unsigned u = __float_as_uint(x + 0.0f);  // -0 + 0 = +0
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// The rows of the tokens of one (sequence, KV head) stream of a cache of T: contiguous (row
+// t at base + t * st) or paged (page kv_indices[indptr[b] + t / page_size], slot
+// t % page_size). Strides in elements of T.
+template <typename T>
+struct TokenRows {
+  const T* base;       // contiguous: row 0 of the stream; paged: pool + head offset
+  const int* pages;    // null: contiguous; else this sequence's page numbers
+  long long page_stride;
+  long long st;        // token stride (inside a page when paged)
+  int page_size;
+  __device__ __forceinline__ const T* row(long long t) const {
+    if (!pages) return base + t * st;
+    const long long p = t / page_size;
+    return base + (long long)__ldg(pages + p) * page_stride + (t - p * page_size) * st;
+  }
+};
+
+template <typename T>
+__device__ __forceinline__ TokenRows<T> token_rows(const T* cache, const PageTable& pt, int b,
+                                                   int h, long long sb, long long sh,
+                                                   long long st) {
+  TokenRows<T> r;
+  if (!pt.paged()) {
+    r.base = cache + b * sb + h * sh;
+    r.pages = nullptr;
+    r.page_stride = 0;
+    r.st = st;
+    r.page_size = 1;
+  } else {
+    r.base = cache + (long long)h * pt.head_stride;
+    r.pages = pt.indices + __ldg(pt.indptr + b);
+    r.page_stride = pt.page_stride;
+    r.st = pt.row_stride;
+    r.page_size = pt.page_size;
+  }
+  return r;
 }
 
 __device__ __forceinline__ unsigned long long score_key(float nrm, float dot, int c) {
@@ -63,17 +115,17 @@ __device__ __forceinline__ int lanes_per_centroid(int D) {
 template <typename T>
 struct CentroidRows {
   const float* cent;
-  const T* seeds;     // key row of the token that seeds cluster live0
-  long long st;       // token stride of the keys
+  TokenRows<T> keys;  // the cache's keys; token first_seed seeds cluster live0
+  long long first_seed;
   long long live0;
   int D;
   __device__ __forceinline__ float4 vec4(int c, int j) const {
     if (c < live0) return reinterpret_cast<const float4*>(cent + (long long)c * D)[j];
-    const T* row = seeds + (c - live0) * st + 4 * j;
+    const T* row = keys.row(first_seed + (c - live0)) + 4 * j;
     return make_float4(widen(row[0]), widen(row[1]), widen(row[2]), widen(row[3]));
   }
   __device__ __forceinline__ float at(int c, int d) const {
-    return c < live0 ? cent[(long long)c * D + d] : widen(seeds[(c - live0) * st + d]);
+    return c < live0 ? cent[(long long)c * D + d] : widen(keys.row(first_seed + (c - live0))[d]);
   }
 };
 
@@ -165,55 +217,89 @@ __device__ unsigned long long block_best(const Rows& rows, const float* skey, in
   return best;
 }
 
-// The leaving tokens of sequence b: [start, stop), stop clamped to the cache and labels.
+// The leaving tokens of sequence b: [start, stop), stop clamped to the cache (its rows, or
+// the pages the sequence owns) and the labels. The requested length: the page table's
+// when paged, else new_lens[b] (int64 when lens64, else int32; null: n_cache) clamped to
+// [0, n_cache].
 struct Leaving {
   long long L, start, stop, ws_new;
-  __device__ Leaving(const long long* new_lens, const long long* old_lens,
-                     const long long* window_start, int b, long long n_cache, long long NL,
-                     long long n_sink, long long window) {
-    L = max(new_lens[b], old_lens[b]);  // a sequence never shrinks
+  __device__ Leaving(const void* new_lens, int lens64, const PageTable& pt,
+                     const long long* old_lens, const long long* window_start, int b,
+                     long long n_cache, long long NL, long long n_sink, long long window) {
+    long long want, limit = n_cache;
+    if (pt.paged()) {
+      want = limit = stream_length(nullptr, pt, b, n_cache);
+    } else if (!new_lens) {
+      want = n_cache;
+    } else {
+      want = lens64 ? reinterpret_cast<const long long*>(new_lens)[b]
+                    : (long long)reinterpret_cast<const int*>(new_lens)[b];
+      want = want < 0 ? 0 : (want > n_cache ? n_cache : want);
+    }
+    L = max(want, old_lens[b]);  // a sequence never shrinks
     start = window_start[b];
     const long long s = max(L - window, n_sink);
     ws_new = max(start, s);
-    stop = min(s, min(n_cache, NL));
+    stop = min(s, min(limit, NL));
   }
+};
+
+// staging[4 b + i]: start, stop, new window start, new length of sequence b (kernel 1 ->
+// kernel 2).
+struct Staged {
+  long long start, stop, ws_new, L;
 };
 
 }  // namespace stochattn
 
 // Common arguments: keys/values (B, Hkv, N, D) with element strides (sb, sh, st) and unit
-// stride along D; new_lens (B,) the requested lengths, already clamped to [0, N]; old_lens,
-// window_start (B,) the index's; n_init (B, Hkv); centroids, value_sums (B, Hkv, C, D)
-// float32; sizes (B, Hkv, C) int64; labels (B, Hkv, NL) int32; partial
-// (B * Hkv, kFastTokens, S) uint64. Dynamic shared memory: D floats (a key). Blocks of up to
-// 1024 threads, a multiple of 32.
+// stride along D, or the page pools with the page table (kv_rows.cuh; paged: the strides
+// (sb, sh, st) are unused, new_lens is null); old_lens, window_start (B,) the index's;
+// n_init (B, Hkv); centroids, value_sums (B, Hkv, C, D) float32; sizes (B, Hkv, C) int64;
+// labels (B, Hkv, NL) int32; partial (B * Hkv, kFastTokens, S) uint64; staging (B, 4)
+// int64 (Staged). Dynamic shared memory: D floats (a key). Blocks of up to 1024 threads, a
+// multiple of 32.
 
 // Kernel 1: grid (B * Hkv, S); block s scores centroids [s * C / S, (s + 1) * C / S).
+// Block (b, head 0, s = 0) writes sequence b's Staged range for kernel 2.
 template <typename T>
 __global__ void __launch_bounds__(1024) doublep_append_score(
-    const T* __restrict__ keys, long long sb, long long sh, long long st, long long n_cache,
-    const long long* __restrict__ new_lens, const long long* __restrict__ old_lens,
-    const long long* __restrict__ window_start, const long long* __restrict__ n_init,
-    const float* __restrict__ centroids, unsigned long long* __restrict__ partial, int Hkv,
-    int C, int D, long long NL, long long n_sink, long long window) {
+    const T* __restrict__ keys, const int* __restrict__ kv_indptr,
+    const int* __restrict__ kv_indices, const int* __restrict__ kv_last_page_len, int page_size,
+    long long page_stride, int row_stride, int head_stride, long long sb, long long sh,
+    long long st, long long n_cache, const void* __restrict__ new_lens, int lens64,
+    const long long* __restrict__ old_lens, const long long* __restrict__ window_start,
+    const long long* __restrict__ n_init, const float* __restrict__ centroids,
+    unsigned long long* __restrict__ partial, long long* __restrict__ staging, int Hkv, int C,
+    int D, long long NL, long long n_sink, long long window) {
   STOCHATTN_PDL_ENTRY();
   using namespace stochattn;
   extern __shared__ float skey[];
   __shared__ unsigned long long red[32];
   const int bh = blockIdx.x, b = bh / Hkv, h = bh - b * Hkv;
   const int S = gridDim.y, s = blockIdx.y;
-  const Leaving lv(new_lens, old_lens, window_start, b, n_cache, NL, n_sink, window);
+  const PageTable pt = page_table(kv_indptr, kv_indices, kv_last_page_len, page_size,
+                                  page_stride, row_stride, head_stride);
+  const Leaving lv(new_lens, lens64, pt, old_lens, window_start, b, n_cache, NL, n_sink,
+                   window);
+  if (h == 0 && s == 0 && threadIdx.x == 0) {
+    Staged* out = reinterpret_cast<Staged*>(staging) + b;
+    out->start = lv.start;
+    out->stop = lv.stop;
+    out->ws_new = lv.ws_new;
+    out->L = lv.L;
+  }
   const long long live0 = n_init[bh];
   const long long first = lv.start + max(0ll, (long long)C - live0);  // first joining token
-  const T* kbase = keys + b * sb + h * sh;
-  const CentroidRows<T> rows{centroids + (long long)bh * C * D, kbase + lv.start * st, st,
-                             live0, D};
+  const TokenRows<T> krows = token_rows(keys, pt, b, h, sb, sh, st);
+  const CentroidRows<T> rows{centroids + (long long)bh * C * D, krows, lv.start, live0, D};
   const int lo = (int)((long long)C * s / S), hi = (int)((long long)C * (s + 1) / S);
   for (int f = 0; f < kFastTokens; ++f) {
     const long long t = first + f;
     unsigned long long best = ~0ull;
     if (t < lv.stop) {  // uniform over the block
-      for (int d = threadIdx.x; d < D; d += blockDim.x) skey[d] = widen(kbase[t * st + d]);
+      const T* kt = krows.row(t);
+      for (int d = threadIdx.x; d < D; d += blockDim.x) skey[d] = widen(kt[d]);
       __syncthreads();
       best = block_best(rows, skey, lo, hi, D, red);
     }
@@ -221,30 +307,34 @@ __global__ void __launch_bounds__(1024) doublep_append_score(
   }
 }
 
-// Kernel 2: one block per (b, h); S the split of kernel 1.
+// Kernel 2: one block per (b, h); S the split of kernel 1. Reads the token range from
+// `staging` (kernel 1's), never the index's lengths, which the block of head 0 rewrites in
+// place (lens, window_start).
 template <typename T>
 __global__ void __launch_bounds__(1024) doublep_append(
-    const T* __restrict__ keys, const T* __restrict__ values, long long sb, long long sh,
-    long long st, long long n_cache, const long long* __restrict__ new_lens,
-    const long long* __restrict__ old_lens, const long long* __restrict__ window_start,
-    long long* __restrict__ lens_out, long long* __restrict__ ws_out,
-    long long* __restrict__ n_init, float* __restrict__ centroids,
-    long long* __restrict__ sizes, float* __restrict__ value_sums, int* __restrict__ labels,
-    const unsigned long long* __restrict__ partial, int S, int Hkv, int C, int D, long long NL,
-    long long n_sink, long long window) {
+    const T* __restrict__ keys, const T* __restrict__ values, const int* __restrict__ kv_indptr,
+    const int* __restrict__ kv_indices, const int* __restrict__ kv_last_page_len, int page_size,
+    long long page_stride, int row_stride, int head_stride, long long sb, long long sh,
+    long long st, const long long* __restrict__ staging, long long* __restrict__ lens,
+    long long* __restrict__ window_start, long long* __restrict__ n_init,
+    float* __restrict__ centroids, long long* __restrict__ sizes,
+    float* __restrict__ value_sums, int* __restrict__ labels,
+    const unsigned long long* __restrict__ partial, int S, int Hkv, int C, int D, long long NL) {
   STOCHATTN_PDL_ENTRY();
   using namespace stochattn;
   extern __shared__ float skey[];
   __shared__ unsigned long long red[32];
   const int bh = blockIdx.x, b = bh / Hkv, h = bh - b * Hkv;
   const int tid = threadIdx.x;
-  const Leaving lv(new_lens, old_lens, window_start, b, n_cache, NL, n_sink, window);
+  const Staged lv = reinterpret_cast<const Staged*>(staging)[b];
   if (h == 0 && tid == 0) {
-    lens_out[b] = lv.L;
-    ws_out[b] = lv.ws_new;
+    lens[b] = lv.L;
+    window_start[b] = lv.ws_new;
   }
-  const T* kbase = keys + b * sb + h * sh;
-  const T* vbase = values + b * sb + h * sh;
+  const PageTable pt = page_table(kv_indptr, kv_indices, kv_last_page_len, page_size,
+                                  page_stride, row_stride, head_stride);
+  const TokenRows<T> krows = token_rows(keys, pt, b, h, sb, sh, st);
+  const TokenRows<T> vrows = token_rows(values, pt, b, h, sb, sh, st);
   float* cent = centroids + (long long)bh * C * D;
   float* vsum = value_sums + (long long)bh * C * D;
   long long* size = sizes + (long long)bh * C;
@@ -253,11 +343,13 @@ __global__ void __launch_bounds__(1024) doublep_append(
   const long long live0 = n_init[bh];  // the same value in every thread
   long long live = live0;
   __syncthreads();  // every thread has read n_init before thread 0 may rewrite it
-  const CentroidRows<float> rows{cent, nullptr, 0, (long long)C, D};  // all seeded by then
+  // All seeded by then: the keys are never read (live0 = C).
+  const CentroidRows<float> rows{cent, TokenRows<float>{nullptr, nullptr, 0, 0, 1}, 0,
+                                 (long long)C, D};
   int joined = 0;
 
   for (long long t = lv.start; t < lv.stop; ++t) {
-    const T* kt = kbase + t * st;
+    const T* kt = krows.row(t);
     int c;
     if (live < C) {  // a cluster without a centroid is left: the token seeds it
       c = (int)live;
@@ -279,7 +371,7 @@ __global__ void __launch_bounds__(1024) doublep_append(
       __syncthreads();
       c = (int)(block_best(rows, skey, 0, C, D, red) & 0xffffffffull);
     }
-    const T* vt = vbase + t * st;
+    const T* vt = vrows.row(t);
     for (int d = tid; d < D; d += blockDim.x) vsum[(long long)c * D + d] += widen(vt[d]);
     if (tid == 0) {
       size[c] += 1;

@@ -32,7 +32,16 @@
 // 5. exact_decode_merge (merge.cuh) combines the partials.
 //
 // Lengths: the index's (seq_lens and window_start on the device, int64), clamped to the
-// cache and label axes. The logits, weights and sums are float32 (the reference: float64),
+// cache and label axes.
+//
+// K and V: a contiguous cache (B, Hkv, N, D) or a paged one in FlashInfer's layout, read in
+// place through the page table (kv_rows.cuh). The kernels that read K or V (doublep_attend,
+// doublep_true_mass) and doublep_rows, which makes every row id they read, take the seven
+// page-table arguments; with a paged cache a sequence's length is also clamped to the
+// length its page table gives (`paged_length`), so an index longer than the table (a user
+// error: the index must describe the cache) can never make a kernel read past the pages
+// the sequence owns. For a contiguous cache the addresses are those computed before,
+// behind one uniform branch. The logits, weights and sums are float32 (the reference: float64),
 // so a cluster whose cumulative mass lies within float32 rounding of p1 or p2 may be
 // selected differently (documented near-ties).
 #include "decode_common.cuh"
@@ -63,6 +72,13 @@ __device__ __forceinline__ long long clamp_len(const long long* __restrict__ len
                                                long long cap) {
   const long long len = lens[b];
   return len < 0 ? 0 : (len > cap ? cap : len);
+}
+
+// The index's length `len` of sequence b (already clamped to [0, cap]) clamped again to the
+// length its page table gives when the cache is paged; unchanged for a contiguous cache
+// (stream_length with no seq_lens returns its bound there).
+__device__ __forceinline__ long long paged_length(const PageTable& t, int b, long long len) {
+  return stream_length(nullptr, t, b, len);
 }
 
 // Eight code bytes of a cluster (one per head of the group; bytes >= G are never written).
@@ -786,13 +802,15 @@ doublep_select_sorted(const float* __restrict__ xb, const long long* __restrict_
 // ---- 3. attention over exact tokens and approximated clusters ------------------------
 
 // cp.async copies of this thread's pieces of list entries [i0, i0 + kTileRows): rows
-// `rows[i]` of one (b, kv head) stream; entries at or past `count`, and entries whose
-// `need` byte is 0, are zero-filled (the same thread/piece layout as load_tile_async, so
-// no CTA barrier is needed).
+// `rows[i]` of one (b, kv head) stream (`src.row(n)`: contiguous or paged, kv_rows.cuh);
+// entries at or past `count`, and entries whose `need` byte is 0, are zero-filled and read
+// nothing (the same thread/piece layout as load_tile_async, so no CTA barrier is needed).
+// Named apart from decode_common.cuh's load_rows_async (rows by range, not by list).
 template <int D>
-__device__ __forceinline__ void load_rows_async(unsigned char* stage, const unsigned char* base,
-                                                const int* __restrict__ rows, int i0, int count,
-                                                const unsigned char* need = nullptr) {
+__device__ __forceinline__ void load_list_rows_async(unsigned char* stage, const KvRows<D>& src,
+                                                     const int* __restrict__ rows, int i0,
+                                                     int count,
+                                                     const unsigned char* need = nullptr) {
   using Tl = Tiling<D>;
   constexpr int kRowBytes = D * 2;
   const int lr = threadIdx.x % Tl::kLanesPerRow, rg = threadIdx.x / Tl::kLanesPerRow;
@@ -801,12 +819,15 @@ __device__ __forceinline__ void load_rows_async(unsigned char* stage, const unsi
     const int i = i0 + rg + p * Tl::kRowGroups;
     // `need` (optional, shared memory): entries whose byte is 0 are zero-filled, unread.
     const bool valid = i < count && (need == nullptr || need[i] != 0);
-    const unsigned char* src = valid ? base + (long long)rows[i] * kRowBytes + lr * 16 : base;
-    cp_async16(stage + (rg + p * Tl::kRowGroups) * kRowBytes + lr * 16, src, valid);
+    // A zero-filled copy still needs a legal address: the stream's base.
+    const unsigned char* s = valid ? src.row(rows[i]) + lr * 16 : src.base;
+    cp_async16(stage + (rg + p * Tl::kRowGroups) * kRowBytes + lr * 16, s, valid);
   }
 }
 
-// Grid (slices, Hkv, B), kRowThreads. The tokens of slice [slice kSliceTokens, + kSliceTokens)
+// Grid (slices, Hkv, B), kRowThreads. Length: the index's, clamped to the page table's
+// when paged (every row id of the list, hence every K/V row doublep_attend reads, lies in
+// the sequence's pages). The tokens of slice [slice kSliceTokens, + kSliceTokens)
 // of (b, kv head) that some head of the group computes exactly, in position order, with
 // the bit mask of those heads (sinks and window: every head; a middle token: the heads
 // whose code for its cluster is 2): row ids into rows[(pair * slices + slice) *
@@ -821,7 +842,9 @@ __device__ __forceinline__ void load_rows_async(unsigned char* stage, const unsi
 template <int GMAX, bool SAMPLE>
 __global__ void __launch_bounds__(kRowThreads)
 doublep_rows(const long long* __restrict__ lens, const long long* __restrict__ window_start,
-             const int* __restrict__ labels, const unsigned char* __restrict__ codes,
+             const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices,
+             const int* __restrict__ kv_last_page_len, int page_size, long long page_stride,
+             int row_stride, int head_stride, const int* __restrict__ labels, const unsigned char* __restrict__ codes,
              int* __restrict__ rows, unsigned char* __restrict__ hmasks, int* __restrict__ counts,
              unsigned long long* __restrict__ rows_read, int Hkv, int G, long long cap,
              long long NL, int C, int n_sink, int slices, unsigned char* __restrict__ amasks,
@@ -832,7 +855,9 @@ doublep_rows(const long long* __restrict__ lens, const long long* __restrict__ w
   const int slice = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const long long pair = (long long)b * Hkv + kvh;
-  const long long L = clamp_len(lens, b, cap);
+  const PageTable table = page_table(kv_indptr, kv_indices, kv_last_page_len, page_size,
+                                     page_stride, row_stride, head_stride);
+  const long long L = paged_length(table, b, clamp_len(lens, b, cap));
   const long long ws = window_start[b];
   const long long sinks = n_sink < L ? n_sink : L;
   const unsigned all = (1u << G) - 1u;
@@ -1073,7 +1098,9 @@ __device__ __forceinline__ void stage_row_list(const int* __restrict__ rows,
 template <typename T, int D, int GMAX, bool SAMPLE>
 __global__ void __launch_bounds__(kThreads)
 doublep_attend(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-               const int* __restrict__ rows, const unsigned char* __restrict__ hmasks,
+               const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices,
+               const int* __restrict__ kv_last_page_len, int page_size, long long page_stride,
+               int row_stride, int head_stride, const int* __restrict__ rows, const unsigned char* __restrict__ hmasks,
                const int* __restrict__ counts, const unsigned char* __restrict__ codes,
                const float* __restrict__ xb, const long long* __restrict__ sizes,
                const float* __restrict__ value_sums, T* __restrict__ out,
@@ -1126,9 +1153,10 @@ doublep_attend(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
   unsigned char* amask = hmask + kListCap;  // SAMPLE only
   float qf[GMAX][8];
   load_group_queries<T, D, GMAX>(q, head0, G, lr, scale_log2, qf);
-  const long long stream_off = pair * N * D;
-  const unsigned char* kbase = reinterpret_cast<const unsigned char*>(k + stream_off);
-  const unsigned char* vbase = reinterpret_cast<const unsigned char*>(v + stream_off);
+  const PageTable table = page_table(kv_indptr, kv_indices, kv_last_page_len, page_size,
+                                     page_stride, row_stride, head_stride);
+  const KvRows<D> krows = kv_rows<D>(k, table, b, kvh, Hkv, N);
+  const KvRows<D> vrows = kv_rows<D>(v, table, b, kvh, Hkv, N);
   float m[GMAX], l[GMAX], acc[GMAX][8];
 #pragma unroll
   for (int g = 0; g < GMAX; ++g) {
@@ -1148,8 +1176,8 @@ doublep_attend(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
     for (int s = 0; s < kStages - 1; ++s) {
       if (s < ntiles) {
         unsigned char* st = smem + s * 2 * kStageBytes;
-        load_rows_async<D>(st, kbase, list, s * ROWS, count);
-        load_rows_async<D>(st + kStageBytes, vbase, list, s * ROWS, count, vneed);
+        load_list_rows_async<D>(st, krows, list, s * ROWS, count);
+        load_list_rows_async<D>(st + kStageBytes, vrows, list, s * ROWS, count, vneed);
       }
       cp_async_commit();
     }
@@ -1160,8 +1188,8 @@ doublep_attend(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
         const int nx = it + kStages - 1;
         if (nx < ntiles) {
           unsigned char* st = smem + wr * 2 * kStageBytes;
-          load_rows_async<D>(st, kbase, list, nx * ROWS, count);
-          load_rows_async<D>(st + kStageBytes, vbase, list, nx * ROWS, count, vneed);
+          load_list_rows_async<D>(st, krows, list, nx * ROWS, count);
+          load_list_rows_async<D>(st + kStageBytes, vrows, list, nx * ROWS, count, vneed);
         }
         cp_async_commit();
       }
@@ -1205,6 +1233,9 @@ doublep_attend(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
 template <typename T, int D, int GMAX>
 __global__ void __launch_bounds__(kLogitThreads)
 doublep_true_mass(const T* __restrict__ q, const T* __restrict__ k,
+                  const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices,
+                  const int* __restrict__ kv_last_page_len, int page_size,
+                  long long page_stride, int row_stride, int head_stride,
                   const long long* __restrict__ lens, const long long* __restrict__ window_start,
                   const int* __restrict__ labels, const unsigned char* __restrict__ codes,
                   float* __restrict__ part, int Hkv, int G, long long N, long long NL, int C,
@@ -1215,7 +1246,10 @@ doublep_true_mass(const T* __restrict__ q, const T* __restrict__ k,
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const long long head0 = (long long)b * Hkv * G + (long long)kvh * G;
   const long long pair = (long long)b * Hkv + kvh;
-  const long long L = clamp_len(lens, b, N < NL ? N : NL);
+  const PageTable table = page_table(kv_indptr, kv_indices, kv_last_page_len, page_size,
+                                     page_stride, row_stride, head_stride);
+  const KvRows<D> krows = kv_rows<D>(k, table, b, kvh, Hkv, N);
+  const long long L = paged_length(table, b, clamp_len(lens, b, N < NL ? N : NL));
   const long long ws = window_start[b];
   const long long sinks = n_sink < L ? n_sink : L;
   float qf[GMAX][PER];
@@ -1238,7 +1272,7 @@ doublep_true_mass(const T* __restrict__ q, const T* __restrict__ k,
   const long long end = min(start + chunk_len, L);
   for (long long t = start + warp; t < end; t += kLogitWarps) {
     float kf[PER];
-    load_elems<T, PER>(k + (pair * N + t) * D + lane * PER, kf);
+    load_elems<T, PER>(krows.template row_of<T>(t) + lane * PER, kf);
     unsigned covered = (1u << G) - 1u;
     if (t >= sinks && t < ws) {
       const int c = labels[pair * NL + t];
