@@ -700,6 +700,8 @@ def _paged_cache(api, cache, index=None) -> _PagedCache:
         if not contiguous:
             raise ValueError(f"`{name}` must be contiguous")
     B, H, D, N = cache.batch, cache.kv_heads, cache.head_dim, cache.token_bound
+    if N >= 2**31:
+        raise ValueError(f"`max_tokens` must be below 2**31, got {N}")
     if index is not None:
         index._check_cache(B, H, D)
         if api.device(index.centroids) != device:

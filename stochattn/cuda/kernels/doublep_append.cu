@@ -69,8 +69,10 @@ struct TokenRows {
   int page_size;
   __device__ __forceinline__ const T* row(long long t) const {
     if (!pages) return base + t * st;
-    const long long p = t / page_size;
-    return base + (long long)__ldg(pages + p) * page_stride + (t - p * page_size) * st;
+    // Fewer than 2**31 tokens (the host checks it): 32-bit division is exact and cheaper.
+    const int r = (int)t;
+    const int p = r / page_size;
+    return base + (long long)__ldg(pages + p) * page_stride + (long long)(r - p * page_size) * st;
   }
 };
 
