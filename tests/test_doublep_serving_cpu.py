@@ -161,6 +161,7 @@ def test_host_launches_bind_every_argument():
                                   n_pad=0)
     attend = k("doublep_attend").bind(dp._ATTEND_VARIABLE, Hkv=1, G=1, N=1, C=1, slices=1,
                                       tok_chunks=1, cl_per_chunk=1, num_chunks=1, list_off=0,
+                                      list_offs=16,
                                       scale_log2=1.0, n_pad=0)
     assert len(rows.variable) == len(dp._ROWS_VARIABLE)
     assert len(attend.variable) == len(dp._ATTEND_VARIABLE)

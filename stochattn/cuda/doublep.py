@@ -33,6 +33,7 @@ Double-P's centroid mode, ``T + 1`` for the sampled variant, ``T`` for top-k clu
   + 8 pairs C                     selection codes
   + 4 rows total D + 8 rows total partial outputs and (max, sum) pairs
   + 5 pairs slices 2048 + 4 pairs slices    row lists, head masks, counts
+  + 8 pairs slices 2048           paged caches only: the listed rows' byte offsets
 
 and for the sampled variant (budget S, ``n_tiles = ceil(N / 64)``, ``n_pad = 64 n_tiles``)::
 
@@ -99,11 +100,11 @@ _SELECT_VARIABLE = ("xb", "sizes", "lens", "window_start", "codes", "stats", "ro
                     "n_sink", "p1", "p2", "counts", "count")
 _PAGE_NAMES = PageArgs._fields  # the seven page-table arguments (kernels/kv_rows.cuh)
 _ROWS_VARIABLE = (("lens", "window_start") + _PAGE_NAMES
-                  + ("labels", "codes", "rows", "hmasks", "counts", "rows_read", "n_sink",
-                     "amasks", "stash", "lens32"))
+                  + ("labels", "codes", "rows", "row_offs", "hmasks", "counts", "rows_read",
+                     "n_sink", "amasks", "stash", "lens32"))
 _ATTEND_VARIABLE = (("q", "k", "v") + _PAGE_NAMES
-                    + ("rows", "hmasks", "counts", "codes", "xb", "sizes", "value_sums", "out",
-                       "part_o", "part_ml", "amasks", "stash"))
+                    + ("rows", "row_offs", "hmasks", "counts", "codes", "xb", "sizes",
+                       "value_sums", "out", "part_o", "part_ml", "amasks", "stash"))
 _CLUSTERS_PER_LOGIT_CTA = 128
 _CLUSTERS_PER_ATTEND_CTA = 1024
 #: Sampling tile of the sampled variant's CDF (santa_prop_tiles / santa_prop_sample).
@@ -334,7 +335,10 @@ class _DoublePPlan:
             flag = sample is not None
             rows_k = launch.launcher(fam, k("doublep_rows").expr(GMAX=gm, SAMPLE=flag), 0, cfg)
             name = k("doublep_attend").expr(T=ctype, D=D, GMAX=gm, SAMPLE=flag)
-            smem = stage + launch.align(_LIST_CAP * (5 if sample is None else 6), 16)
+            # The list: row ids, head masks (and sampled-head masks); paged, then each row's
+            # byte offset in the pool (8 bytes an entry), found once per staged entry.
+            list_offs = stage + launch.align(_LIST_CAP * (5 if sample is None else 6), 16)
+            smem = list_offs + (8 * _LIST_CAP if self.paged else 0)
             attend = launch.launcher(fam, name, smem, cfg)
             cl_chunks = math.ceil(C / _CLUSTERS_PER_ATTEND_CTA) if centroid and not sample else 0
             if sample is not None:
@@ -354,7 +358,7 @@ class _DoublePPlan:
                 tok_chunks = max(1, min(math.ceil(cap / 128), round(2 * slots / pairs)))
             else:
                 tok_chunks = num_chunks
-            self.list_off = stage
+            self.list_off, self.list_offs = stage, list_offs
             # Partials: the token CTAs', the cluster CTAs' (centroid) or the draws' (sample).
             total = tok_chunks + cl_chunks + (sample is not None)
             merge = (launch.launcher(fam, k("exact_decode_merge").expr(T=ctype), 0, cfg)
@@ -396,6 +400,8 @@ class _DoublePPlan:
             self.grid_tiles = (rows, math.ceil(n_pad / _TILE_LOGITS_PER_CTA))
             self.n_pad = n_pad
             self.idx_shape = (s.batch, s.q_heads, S)
+        if self.paged:  # each listed row's byte offset in the pool (i64, like the list)
+            sizes += (8 * list_len,)
         self.offsets, self.scratch_bytes = launch.layout(sizes)
         self.NL = NL
         n_pad = self.n_pad if sample is not None else 0
@@ -422,7 +428,8 @@ class _DoublePPlan:
                             _ATTEND_VARIABLE, Hkv=s.kv_heads, G=s.group, N=s.tokens, C=C,
                             slices=self.slices, tok_chunks=tok_chunks,
                             cl_per_chunk=_CLUSTERS_PER_ATTEND_CTA, num_chunks=total,
-                            list_off=self.list_off, scale_log2=scale_log2, n_pad=n_pad),
+                            list_off=self.list_off, list_offs=self.list_offs,
+                            scale_log2=scale_log2, n_pad=n_pad),
                         pdl=dep)
         if sample is not None:
             self.tiles_variable = _TILES_VARIABLE
@@ -468,8 +475,9 @@ class _DoublePPlan:
                                                    self.device)
             ptrs = tuple(base + o for o in self.offsets)
             xb, codes, po, pml, rl, hm, cnt = ptrs[:7]
+            ro = ptrs[-1] if self.paged else 0
             if sample is not None:
-                am, stash, lens32, tile_m, tile_l, cdf, iid, idx32 = ptrs[7:]
+                am, stash, lens32, tile_m, tile_l, cdf, iid, idx32 = ptrs[7:15]
             else:
                 am = stash = lens32 = 0
             indices = None
@@ -486,10 +494,10 @@ class _DoublePPlan:
             self.logits(stream, qp, cent, sizes, xb)
             self.select(stream, xb, sizes, lens, ws, codes, stats, rows_read, n_sink, p1, p2,
                         1 if count else 0, count)
-            self.rows(stream, lens, ws, *pages, labels, codes, rl, hm, cnt, rows_read, n_sink,
-                      am, stash, lens32)
-            self.attend(stream, qp, kp, vp, *pages, rl, hm, cnt, codes, xb, sizes, vsums, outp,
-                        po, pml, am, stash)
+            self.rows(stream, lens, ws, *pages, labels, codes, rl, ro, hm, cnt, rows_read,
+                      n_sink, am, stash, lens32)
+            self.attend(stream, qp, kp, vp, *pages, rl, ro, hm, cnt, codes, xb, sizes, vsums,
+                        outp, po, pml, am, stash)
             if sample is not None:
                 named = dict(logits=stash, seq_lens=lens32, tile_m=tile_m, tile_l=tile_l)
                 self.tiles(stream, *(named[n] for n in self.tiles_variable))

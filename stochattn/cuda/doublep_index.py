@@ -650,9 +650,9 @@ class _PagedCache:
 def _paged_cache(api, cache, index=None) -> _PagedCache:
     """Check a GPU :class:`~stochattn.paged.PagedKV` for the index kernels (attributes
     only, nothing read): pools of the index's framework (or CuPy / torch for a build), one
-    device, float16 / bfloat16 / float32, shared strides with D contiguous; int32
-    contiguous page tables on that device; page sizes 1 to 128; for an append, the
-    index's batch, heads and head dim."""
+    device, float16 / bfloat16 (float32 too for a build), shared strides with D
+    contiguous; int32 contiguous page tables on that device; page sizes 1 to 128; for an
+    append, the index's batch, heads and head dim."""
     from .runtime.pages import MAX_PAGE_SIZE, PageArgs, _framework_array, _strides
 
     if cache.device != "cuda":
@@ -668,6 +668,9 @@ def _paged_cache(api, cache, index=None) -> _PagedCache:
                         f"got {_tname(cache.k_pages)}")
     kapi = _api_of_array("k_pages", k)
     dtype = kapi.dtype_name(k)
+    if dtype not in ("float16", "bfloat16") and index is not None:
+        raise TypeError(f"`k_pages` must be float16 or bfloat16 to append on the GPU (a "
+                        f"float32 cache appends from contiguous arrays), got {dtype}")
     if dtype not in ("float16", "bfloat16", "float32"):
         raise TypeError(f"`k_pages` must be float16, bfloat16 or float32 on the GPU, got {dtype}")
     device = kapi.device(k)

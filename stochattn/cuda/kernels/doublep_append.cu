@@ -40,9 +40,11 @@
 //
 // The cache: contiguous (B, Hkv, N, D) with element strides (sb, sh, st), or paged in
 // FlashInfer's layout (kv_rows.cuh's page table; strides in elements of T; the new lengths
-// then come from the page table and `new_lens` is null). Any element type (float16,
-// bfloat16, float32): rows are read element by element, so only element alignment is
-// needed. The index keeps token positions, never addresses: pages may move between calls.
+// then come from the page table and `new_lens` is null). Rows are read element by
+// element, so only element alignment is needed; a contiguous cache may be float16,
+// bfloat16 or float32, a paged one 16-bit (the float32 instantiations compile the
+// contiguous path only: the host refuses float32 pages). The index keeps token positions,
+// never addresses: pages may move between calls.
 #include "decode_common.cuh"
 
 namespace stochattn {
@@ -68,7 +70,7 @@ struct TokenRows {
   long long st;        // token stride (inside a page when paged)
   int page_size;
   __device__ __forceinline__ const T* row(long long t) const {
-    if (!pages) return base + t * st;
+    if (sizeof(T) != 2 || !pages) return base + t * st;  // paged pools are 16-bit
     // Fewer than 2**31 tokens (the host checks it): 32-bit division is exact and cheaper.
     const int r = (int)t;
     const int p = r / page_size;
@@ -81,7 +83,7 @@ __device__ __forceinline__ TokenRows<T> token_rows(const T* cache, const PageTab
                                                    int h, long long sb, long long sh,
                                                    long long st) {
   TokenRows<T> r;
-  if (!pt.paged()) {
+  if (sizeof(T) != 2 || !pt.paged()) {  // float32 caches are contiguous (the host checks)
     r.base = cache + b * sb + h * sh;
     r.pages = nullptr;
     r.page_stride = 0;

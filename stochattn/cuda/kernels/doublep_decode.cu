@@ -32,18 +32,20 @@
 // 5. exact_decode_merge (merge.cuh) combines the partials.
 //
 // Lengths: the index's (seq_lens and window_start on the device, int64), clamped to the
-// cache and label axes.
+// cache and label axes. The logits, weights and sums are float32 (the reference: float64),
+// so a cluster whose cumulative mass lies within float32 rounding of p1 or p2 may be
+// selected differently (documented near-ties).
 //
 // K and V: a contiguous cache (B, Hkv, N, D) or a paged one in FlashInfer's layout, read in
 // place through the page table (kv_rows.cuh). The kernels that read K or V (doublep_attend,
 // doublep_true_mass) and doublep_rows, which makes every row id they read, take the seven
-// page-table arguments; with a paged cache a sequence's length is also clamped to the
+// page-table arguments. With a paged cache a sequence's length is also clamped to the
 // length its page table gives (`paged_length`), so an index longer than the table (a user
 // error: the index must describe the cache) can never make a kernel read past the pages
-// the sequence owns. For a contiguous cache the addresses are those computed before,
-// behind one uniform branch. The logits, weights and sums are float32 (the reference: float64),
-// so a cluster whose cumulative mass lies within float32 rounding of p1 or p2 may be
-// selected differently (documented near-ties).
+// the sequence owns; doublep_rows writes each listed row's byte offset in the pool next to
+// its id (row_offs), and doublep_attend stages those with the list, so its pipeline never
+// touches the page table (and keeps the registers of the contiguous path). For a
+// contiguous cache the addresses are those computed before, behind a uniform branch.
 #include "decode_common.cuh"
 #include "merge.cuh"
 #include "group_state.cuh"
@@ -79,6 +81,15 @@ __device__ __forceinline__ long long clamp_len(const long long* __restrict__ len
 // (stream_length with no seq_lens returns its bound there).
 __device__ __forceinline__ long long paged_length(const PageTable& t, int b, long long len) {
   return stream_length(nullptr, t, b, len);
+}
+
+// Byte offset of row t of sequence b in a paged pool of 16-bit elements, from its KV head's
+// base (kv_rows.cuh's row(t) less its base; 32-bit division: t < 2**31).
+__device__ __forceinline__ long long paged_row_offset(const PageTable& t, int b, long long row) {
+  const int r = (int)row;
+  const int p = r / t.page_size;
+  const int page = __ldg(t.indices + __ldg(t.indptr + b) + p);
+  return 2 * ((long long)page * t.page_stride + (long long)(r - p * t.page_size) * t.row_stride);
 }
 
 // Eight code bytes of a cluster (one per head of the group; bytes >= G are never written).
@@ -801,15 +812,19 @@ doublep_select_sorted(const float* __restrict__ xb, const long long* __restrict_
 
 // ---- 3. attention over exact tokens and approximated clusters ------------------------
 
-// cp.async copies of this thread's pieces of list entries [i0, i0 + kTileRows): rows
-// `rows[i]` of one (b, kv head) stream (`src.row(n)`: contiguous or paged, kv_rows.cuh);
-// entries at or past `count`, and entries whose `need` byte is 0, are zero-filled and read
-// nothing (the same thread/piece layout as load_tile_async, so no CTA barrier is needed).
-// Named apart from decode_common.cuh's load_rows_async (rows by range, not by list).
+// cp.async copies of this thread's pieces of list entries [i0, i0 + kTileRows) of one
+// (b, kv head) stream from `base`: row `rows[i]` at base + rows[i] * D * 2 (contiguous,
+// `offs` null), or, paged, at base + offs[i] (the row's byte offset in the pool, which
+// doublep_rows found through the page table), so the pipeline never touches the page
+// table and keeps the registers of the contiguous path. Entries at or past `count`, and entries whose `need`
+// byte is 0, are zero-filled and read nothing (the same thread/piece layout as
+// load_tile_async, so no CTA barrier is needed). Named apart from decode_common.cuh's
+// load_rows_async (rows by range, not by list).
 template <int D>
-__device__ __forceinline__ void load_list_rows_async(unsigned char* stage, const KvRows<D>& src,
-                                                     const int* __restrict__ rows, int i0,
-                                                     int count,
+__device__ __forceinline__ void load_list_rows_async(unsigned char* stage,
+                                                     const unsigned char* base,
+                                                     const int* __restrict__ rows,
+                                                     const long long* offs, int i0, int count,
                                                      const unsigned char* need = nullptr) {
   using Tl = Tiling<D>;
   constexpr int kRowBytes = D * 2;
@@ -819,15 +834,18 @@ __device__ __forceinline__ void load_list_rows_async(unsigned char* stage, const
     const int i = i0 + rg + p * Tl::kRowGroups;
     // `need` (optional, shared memory): entries whose byte is 0 are zero-filled, unread.
     const bool valid = i < count && (need == nullptr || need[i] != 0);
+    const long long at = offs ? offs[i] : (long long)rows[i] * kRowBytes;  // uniform branch
     // A zero-filled copy still needs a legal address: the stream's base.
-    const unsigned char* s = valid ? src.row(rows[i]) + lr * 16 : src.base;
-    cp_async16(stage + (rg + p * Tl::kRowGroups) * kRowBytes + lr * 16, s, valid);
+    const unsigned char* src = valid ? base + at + lr * 16 : base;
+    cp_async16(stage + (rg + p * Tl::kRowGroups) * kRowBytes + lr * 16, src, valid);
   }
 }
 
 // Grid (slices, Hkv, B), kRowThreads. Length: the index's, clamped to the page table's
 // when paged (every row id of the list, hence every K/V row doublep_attend reads, lies in
-// the sequence's pages). The tokens of slice [slice kSliceTokens, + kSliceTokens)
+// the sequence's pages); paged, each listed row's byte offset in the pool (from its KV
+// head's base: the same for K and V) goes to row_offs, next to its id, so that
+// doublep_attend reads rows without touching the page table. The tokens of slice [slice kSliceTokens, + kSliceTokens)
 // of (b, kv head) that some head of the group computes exactly, in position order, with
 // the bit mask of those heads (sinks and window: every head; a middle token: the heads
 // whose code for its cluster is 2): row ids into rows[(pair * slices + slice) *
@@ -839,13 +857,18 @@ __device__ __forceinline__ void load_list_rows_async(unsigned char* stage, const
 // columns; doublep_attend then writes the sampled ones); lens32[b] gets
 // the clamped length; rows_read[pairs + pair] (optional) counts the rows some head computes
 // exactly (rows_read[pair] all listed rows).
+// The minimum CTAs per SM hold the registers where they were before the page table came
+// (ptxas gave 32 and 40 without it: 8 and 6 CTAs of 256 threads), so the contiguous path
+// keeps its occupancy.
 template <int GMAX, bool SAMPLE>
-__global__ void __launch_bounds__(kRowThreads)
+__global__ void __launch_bounds__(kRowThreads, SAMPLE ? 6 : 8)
 doublep_rows(const long long* __restrict__ lens, const long long* __restrict__ window_start,
              const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices,
              const int* __restrict__ kv_last_page_len, int page_size, long long page_stride,
-             int row_stride, int head_stride, const int* __restrict__ labels, const unsigned char* __restrict__ codes,
-             int* __restrict__ rows, unsigned char* __restrict__ hmasks, int* __restrict__ counts,
+             int row_stride, int head_stride, const int* __restrict__ labels,
+             const unsigned char* __restrict__ codes, int* __restrict__ rows,
+             long long* __restrict__ row_offs, unsigned char* __restrict__ hmasks,
+             int* __restrict__ counts,
              unsigned long long* __restrict__ rows_read, int Hkv, int G, long long cap,
              long long NL, int C, int n_sink, int slices, unsigned char* __restrict__ amasks,
              float* __restrict__ stash, long long n_pad, int* __restrict__ lens32) {
@@ -887,6 +910,7 @@ doublep_rows(const long long* __restrict__ lens, const long long* __restrict__ w
     word[j] = (c[j] >= 0 && c[j] < C) ? codes_of(codes, pair, C, c[j]) : 0ull;
   unsigned char masks[kScanTokens], amask[kScanTokens];
   int mine = 0, mine_exact = 0;
+  unsigned listed = 0;  // bit j: token t0 + j is listed
 #pragma unroll
   for (int j = 0; j < kScanTokens; ++j) {
     const long long t = t0 + j;
@@ -897,6 +921,7 @@ doublep_rows(const long long* __restrict__ lens, const long long* __restrict__ w
     amask[j] = (unsigned char)a;
     mine += (m | a) != 0;
     mine_exact += m != 0;
+    listed |= (m | a) ? 1u << j : 0u;
   }
   if constexpr (SAMPLE) {
     // -inf for every (head, token) of the sequence: doublep_attend, which runs next,
@@ -932,6 +957,12 @@ doublep_rows(const long long* __restrict__ lens, const long long* __restrict__ w
     total += warp_counts[w];
   }
   const long long base = (pair * slices + slice) * (long long)kSliceTokens;
+  if (table.paged()) {  // the listed rows' byte offsets, one at a time (few registers)
+    int i = at;
+#pragma unroll 1
+    for (unsigned bits = listed; bits; bits &= bits - 1)
+      row_offs[base + i++] = paged_row_offset(table, b, t0 + __ffs(bits) - 1);
+  }
 #pragma unroll
   for (int j = 0; j < kScanTokens; ++j) {
     if (masks[j] | amask[j]) {
@@ -1043,16 +1074,19 @@ __device__ __forceinline__ void attend_approx_clusters(
 }
 
 // Copy entries [b0, b0 + n) of the (b, kv head)'s row list (the slices of doublep_rows,
-// concatenated) into list / hmask (and amask, when amasks is not null) in shared memory. Every warp walks the slice counts
-// (32 at a time, warp scan) and, for each slice that overlaps, the whole CTA copies the
-// overlap; the caller synchronises afterwards.
+// concatenated) into list / hmask (and amask, when amasks is not null) in shared memory,
+// and, for a paged cache (offs not null), the rows' byte offsets (row_offs, doublep_rows').
+// Every warp walks the slice counts (32 at a time, warp scan) and, for each slice that
+// overlaps, the whole CTA copies the overlap; the caller synchronises afterwards.
 __device__ __forceinline__ void stage_row_list(const int* __restrict__ rows,
                                                const unsigned char* __restrict__ hmasks,
                                                const int* __restrict__ counts, long long pair,
                                                int slices, int b0, int n, int* list,
                                                unsigned char* hmask,
                                                const unsigned char* __restrict__ amasks,
-                                               unsigned char* amask) {
+                                               unsigned char* amask,
+                                               const long long* __restrict__ row_offs,
+                                               long long* offs) {
   const int lane = threadIdx.x % 32;
   int pre = 0;  // entries in the slices before this group of 32
   for (int s0 = 0; s0 < slices && pre < b0 + n; s0 += 32) {
@@ -1078,6 +1112,10 @@ __device__ __forceinline__ void stage_row_list(const int* __restrict__ rows,
         hmask[slo - b0 + i] = hmasks[base + i];
         if (amasks) amask[slo - b0 + i] = amasks[base + i];
       }
+      if (offs) {  // a loop of its own: fused, the copies' registers grew (ptxas -v)
+        for (int i = threadIdx.x; i < shi - slo; i += kThreads)
+          offs[slo - b0 + i] = row_offs[base + i];
+      }
     }
     pre += __shfl_sync(0xffffffffu, incl, 31);
   }
@@ -1090,7 +1128,9 @@ __device__ __forceinline__ void stage_row_list(const int* __restrict__ rows,
 // C_approx clusters as pseudo-tokens. With a single chunk in all the CTA writes `out`
 // directly; otherwise partials. Dynamic shared memory: `list_off` bytes for the pipeline
 // (reused by the merge), then kListCap int32 row ids and kListCap head-mask bytes (and,
-// SAMPLE, kListCap sampled-head bytes).
+// SAMPLE, kListCap sampled-head bytes), padded to 16 bytes, and for a paged cache kListCap
+// int64 row byte offsets at `list_offs` (row_offs staged: K and V share them, since their
+// pools share the strides).
 // SAMPLE (the sampled variant; no cluster CTAs): the list also holds rows that only some
 // heads sample (amasks); V is read only for rows some head computes exactly, and the
 // natural-log logit of every sampled (head, row) goes to the stash (rows b Hq + h, n_pad
@@ -1100,13 +1140,15 @@ __global__ void __launch_bounds__(kThreads)
 doublep_attend(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices,
                const int* __restrict__ kv_last_page_len, int page_size, long long page_stride,
-               int row_stride, int head_stride, const int* __restrict__ rows, const unsigned char* __restrict__ hmasks,
+               int row_stride, int head_stride, const int* __restrict__ rows,
+               const long long* __restrict__ row_offs, const unsigned char* __restrict__ hmasks,
                const int* __restrict__ counts, const unsigned char* __restrict__ codes,
                const float* __restrict__ xb, const long long* __restrict__ sizes,
                const float* __restrict__ value_sums, T* __restrict__ out,
                float* __restrict__ part_o, float* __restrict__ part_ml, int Hkv, int G,
                long long N, int C, int slices, int tok_chunks, int cl_per_chunk, int num_chunks,
-               int list_off, float scale_log2, const unsigned char* __restrict__ amasks,
+               int list_off, int list_offs, float scale_log2,
+               const unsigned char* __restrict__ amasks,
                float* __restrict__ stash, long long n_pad) {
   STOCHATTN_PDL_ENTRY();
   using Tl = Tiling<D>;
@@ -1155,8 +1197,9 @@ doublep_attend(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
   load_group_queries<T, D, GMAX>(q, head0, G, lr, scale_log2, qf);
   const PageTable table = page_table(kv_indptr, kv_indices, kv_last_page_len, page_size,
                                      page_stride, row_stride, head_stride);
-  const KvRows<D> krows = kv_rows<D>(k, table, b, kvh, Hkv, N);
-  const KvRows<D> vrows = kv_rows<D>(v, table, b, kvh, Hkv, N);
+  const unsigned char* kbase = kv_rows<D>(k, table, b, kvh, Hkv, N).base;
+  const unsigned char* vbase = kv_rows<D>(v, table, b, kvh, Hkv, N).base;
+  long long* offs = table.paged() ? reinterpret_cast<long long*>(smem + list_offs) : nullptr;
   float m[GMAX], l[GMAX], acc[GMAX][8];
 #pragma unroll
   for (int g = 0; g < GMAX; ++g) {
@@ -1168,7 +1211,7 @@ doublep_attend(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
   for (int b0 = lo; b0 < hi; b0 += kListCap) {
     const int count = min(kListCap, hi - b0);
     stage_row_list(rows, hmasks, counts, pair, slices, b0, count, list, hmask,
-                   SAMPLE ? amasks : nullptr, amask);
+                   SAMPLE ? amasks : nullptr, amask, row_offs, offs);
     __syncthreads();
     const int ntiles = (count + ROWS - 1) / ROWS;
     const unsigned char* vneed = SAMPLE ? hmask : nullptr;  // V of the exact rows only
@@ -1176,8 +1219,8 @@ doublep_attend(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
     for (int s = 0; s < kStages - 1; ++s) {
       if (s < ntiles) {
         unsigned char* st = smem + s * 2 * kStageBytes;
-        load_list_rows_async<D>(st, krows, list, s * ROWS, count);
-        load_list_rows_async<D>(st + kStageBytes, vrows, list, s * ROWS, count, vneed);
+        load_list_rows_async<D>(st, kbase, list, offs, s * ROWS, count);
+        load_list_rows_async<D>(st + kStageBytes, vbase, list, offs, s * ROWS, count, vneed);
       }
       cp_async_commit();
     }
@@ -1188,8 +1231,8 @@ doublep_attend(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
         const int nx = it + kStages - 1;
         if (nx < ntiles) {
           unsigned char* st = smem + wr * 2 * kStageBytes;
-          load_list_rows_async<D>(st, krows, list, nx * ROWS, count);
-          load_list_rows_async<D>(st + kStageBytes, vrows, list, nx * ROWS, count, vneed);
+          load_list_rows_async<D>(st, kbase, list, offs, nx * ROWS, count);
+          load_list_rows_async<D>(st + kStageBytes, vbase, list, offs, nx * ROWS, count, vneed);
         }
         cp_async_commit();
       }
