@@ -168,15 +168,17 @@ def test_host_launches_bind_every_argument():
     for variable in (dp._ROWS_VARIABLE, dp._ATTEND_VARIABLE):
         i = variable.index("kv_indptr")
         assert variable[i:i + 7] == PageArgs._fields
-    # The sampled variant's V gather: the same assembly as _DoublePPlan.
-    from stochattn.cuda.santa import SAMPLE_VARIABLE
+    # The sampled variant's S²ANTA-prop launches: the same assembly as _DoublePPlan (the
+    # page names the kernels take, whether or not santa.py's tuples list them).
+    from stochattn.cuda.santa import _TILES_VARIABLE, SAMPLE_VARIABLE
 
-    prop = abi.kernel("santa_prop", "santa_prop_sample")
-    variable = (SAMPLE_VARIABLE + tuple(n for n in PageArgs._fields
-                                        if n in prop.arg_names and n not in SAMPLE_VARIABLE)
-                + ("part_o", "part_ml"))
-    prop.bind(variable, Hq=1, G=1, N=1, n_pad=64, n_tiles=1, tile_size=64, S=1, sampler=0,
-              purpose=0, num_parts=2, part=1)
+    sample = abi.kernel("santa_prop", "santa_prop_sample")
+    sample.bind(dp._with_pages(SAMPLE_VARIABLE, sample) + ("part_o", "part_ml"), Hq=1, G=1,
+                N=1, n_pad=64, n_tiles=1, tile_size=64, S=1, sampler=0, purpose=0,
+                num_parts=2, part=1)
+    tiles = abi.kernel("santa_prop", "santa_prop_tiles")
+    tiles.bind(dp._with_pages(_TILES_VARIABLE, tiles), Hq=1, N=1, n_pad=64, n_tiles=1,
+               tile_size=64)
 
 
 def test_append_launch_arguments_are_all_named():
@@ -199,7 +201,8 @@ def test_decode_kernels_read_rows_and_lengths_through_the_page_table():
     text = (kernels.SOURCE_DIR / "doublep_decode.cu").read_text()
     assert len(re.findall(r"kv_rows<D>\((k|v), table", text)) == 3
     assert "* N * D" not in text and "pair * N + t" not in text
-    assert text.count("paged_length(table, b,") == 2  # doublep_rows and doublep_true_mass
+    assert "paged_length(table, b," in text  # doublep_true_mass
+    assert "stream_length(nullptr, table, b, cap)" in text  # doublep_rows
     append = (kernels.SOURCE_DIR / "doublep_append.cu").read_text()
     assert append.count("token_rows(keys, pt") == 2 and "token_rows(values, pt" in append
     assert "stream_length(nullptr, pt, b, n_cache)" in append

@@ -18,9 +18,11 @@ K and V: a contiguous cache (B, Hkv, N, D), or a GPU :class:`~stochattn.paged.Pa
 table, with N its ``token_bound``. The index keeps token positions, so the same index
 serves a paged cache whose pages move between calls. With a paged cache the lengths are
 the index's clamped to the page table's (the index must describe the cache, as it must
-equal ``seq_lens`` for a contiguous one). The sampled variant's V gather is the
-S²ANTA-prop kernel ``santa_prop_sample``; it takes the page table where that kernel does
-(:func:`_sample_pages_missing` says why not otherwise).
+equal ``seq_lens`` for a contiguous one). The sampled variant's CDF and V gather are the
+S²ANTA-prop kernels ``santa_prop_tiles`` and ``santa_prop_sample``; they take the page
+table where those kernels do (:func:`_sample_pages_missing` says why not otherwise), and
+then their lengths come from the table: doublep_rows fills the logit stash with -inf up to
+the table's length, so tokens the index does not cover yet are never drawn.
 
 Workspace (scratch) of one call, in bytes, each piece rounded up to 256
 (:func:`workspace_bytes` computes it for given arrays; ``rows = B Hq``, ``pairs = B Hkv``,
@@ -210,6 +212,13 @@ def _plan(q, k, v, index, centroid, sample, softmax_scale, num_chunks):
     plan = inputs.cached_plan(
         key, lambda: _DoublePPlan(inp, ix, centroid, softmax_scale, num_chunks, cfg, sample))
     return inp, ix, plan
+
+
+def _with_pages(variable: tuple, kernel) -> tuple:
+    """A S²ANTA-prop launch's per-call names plus the page-table names its kernel takes
+    that they lack (the kernels' signature decides: doublep passes every name by value)."""
+    return variable + tuple(n for n in _PAGE_NAMES
+                            if n in kernel.arg_names and n not in variable)
 
 
 def _sample_pages_missing() -> list:
@@ -432,18 +441,16 @@ class _DoublePPlan:
                             scale_log2=scale_log2, n_pad=n_pad),
                         pdl=dep)
         if sample is not None:
-            self.tiles_variable = _TILES_VARIABLE
+            # By name: the page-table arguments where the S²ANTA-prop kernels take them.
+            self.tiles_variable = _with_pages(_TILES_VARIABLE, prop("santa_prop_tiles"))
             self.tiles = P(tiles, self.grid_tiles, (_TILE_THREADS,),
                            prop("santa_prop_tiles").bind(
-                               _TILES_VARIABLE, Hq=s.q_heads, N=s.tokens, n_pad=n_pad,
+                               self.tiles_variable, Hq=s.q_heads, N=s.tokens, n_pad=n_pad,
                                n_tiles=n_tiles, tile_size=ts), pdl=dep)
             # The draws' partial is the last of the merge's `total` (purpose
             # PURPOSE_CLUSTER_SAMPLER).
-            # By name: the page-table arguments where santa_prop_sample takes them.
-            taken = prop("santa_prop_sample").arg_names
-            self.sample_variable = (SAMPLE_VARIABLE + tuple(
-                n for n in _PAGE_NAMES if n in taken and n not in SAMPLE_VARIABLE)
-                + ("part_o", "part_ml"))
+            self.sample_variable = (_with_pages(SAMPLE_VARIABLE, prop("santa_prop_sample"))
+                                    + ("part_o", "part_ml"))
             self.sample = P(sample_k, (rows,), (_SAMPLE_THREADS,),
                             prop("santa_prop_sample").bind(
                                 self.sample_variable, Hq=s.q_heads, G=s.group,
@@ -499,11 +506,12 @@ class _DoublePPlan:
             self.attend(stream, qp, kp, vp, *pages, rl, ro, hm, cnt, codes, xb, sizes, vsums,
                         outp, po, pml, am, stash)
             if sample is not None:
-                named = dict(logits=stash, seq_lens=lens32, tile_m=tile_m, tile_l=tile_l)
+                named = dict(pages._asdict(), logits=stash, seq_lens=lens32, tile_m=tile_m,
+                             tile_l=tile_l)
                 self.tiles(stream, *(named[n] for n in self.tiles_variable))
                 idxp = 0 if indices is None else ops.ptr(indices)
                 rs, _keep_rs = inputs.stream_args(inp, rng[0], rng[1], s.batch, self.device)
-                named.update(pages._asdict(), rs._asdict(), v=vp, C=cdf, iid_points=iid,
+                named.update(rs._asdict(), v=vp, C=cdf, iid_points=iid,
                              idx32=idx32, idx_out=idxp, out=outp, part_o=po, part_ml=pml)
                 self.sample(stream, *(named[n] for n in self.sample_variable))
             if self.merge is not None:

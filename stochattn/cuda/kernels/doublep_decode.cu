@@ -880,7 +880,10 @@ doublep_rows(const long long* __restrict__ lens, const long long* __restrict__ w
   const long long pair = (long long)b * Hkv + kvh;
   const PageTable table = page_table(kv_indptr, kv_indices, kv_last_page_len, page_size,
                                      page_stride, row_stride, head_stride);
-  const long long L = paged_length(table, b, clamp_len(lens, b, cap));
+  // The page table's length (cap when contiguous) and the index's clamped to it.
+  const long long Lt = stream_length(nullptr, table, b, cap);
+  const long long Li = clamp_len(lens, b, cap);
+  const long long L = Li < Lt ? Li : Lt;
   const long long ws = window_start[b];
   const long long sinks = n_sink < L ? n_sink : L;
   const unsigned all = (1u << G) - 1u;
@@ -926,18 +929,21 @@ doublep_rows(const long long* __restrict__ lens, const long long* __restrict__ w
   if constexpr (SAMPLE) {
     // -inf for every (head, token) of the sequence: doublep_attend, which runs next,
     // overwrites the sampled ones. 32-byte aligned float4 stores (t0 is a multiple of 8,
-    // n_pad of 64).
+    // n_pad of 64). Paged: up to the page table's length (at least L), which
+    // santa_prop_tiles / santa_prop_sample take as the length, so a token the index does
+    // not cover yet has zero weight.
     static_assert(kScanTokens == 8, "two float4 stores per head");
+    const long long Lfill = table.paged() ? Lt : L;
     const long long head0 = (long long)b * Hkv * G + (long long)kvh * G;
     const float4 ninf = make_float4(STOCHATTN_NEG_INF, STOCHATTN_NEG_INF, STOCHATTN_NEG_INF,
                                     STOCHATTN_NEG_INF);
     for (int g = 0; g < G; ++g) {
       float* xs = stash + (head0 + g) * n_pad + t0;
-      if (t0 + kScanTokens <= L) {
+      if (t0 + kScanTokens <= Lfill) {
         reinterpret_cast<float4*>(xs)[0] = ninf;
         reinterpret_cast<float4*>(xs)[1] = ninf;
       } else {
-        for (int j = 0; j < kScanTokens && t0 + j < L; ++j) xs[j] = STOCHATTN_NEG_INF;
+        for (int j = 0; j < kScanTokens && t0 + j < Lfill; ++j) xs[j] = STOCHATTN_NEG_INF;
       }
     }
     if (slice == 0 && kvh == 0 && tid == 0) lens32[b] = (int)L;
