@@ -15,6 +15,7 @@ import pytest
 
 from stochattn.cuda import config, kernels
 from stochattn.cuda.kernels import abi
+from stochattn.cuda.runtime import launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,7 +37,7 @@ def test_every_name_expression_instantiates_a_declared_kernel(family):
 def test_declaration_of_a_kernel():
     k = abi.kernel("exact_decode", "exact_decode_chunk")
     assert [kind for kind, _ in k.template] == ["typename", "int", "int"]
-    assert k.arg_names[:8] == ("q", "k", "v", "seq_lens", "out", "part_o", "part_ml", "counters")
+    assert k.arg_names[:15] == launch.SPLIT_KV_VARIABLE  # inputs, page table, out, partials
     assert k.expr(T="stochattn::f16", D=128, GMAX=4) == "exact_decode_chunk<stochattn::f16, 128, 4>"
     assert abi.kernel("santa_prop", "santa_prop_logits").expr(
         T="stochattn::bf16", D=64, GMAX=8, QHAT=True) == "santa_prop_logits<stochattn::bf16, 64, 8, true>"
