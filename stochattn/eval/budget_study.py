@@ -411,7 +411,7 @@ def cmd_adaptivity(args):
             sc = a.scatter(f, S, c=layers, cmap="viridis", s=10, alpha=0.8)
             a.set_xscale("log")
             a.set_yscale("log")
-            a.set_xlabel("fraction of keys holding 95% of the mass (mean over positions)")
+            a.set_xlabel("95%-mass key fraction (mean over positions)")
             a.set_title(f"{name}: Spearman {spearman(S, f):.2f}")
             a.grid(True, which="both", alpha=0.3)
         ax[0].set_ylabel(f"mean S per head (CLT, eps {args.eps}, delta {args.delta})")
