@@ -19,7 +19,8 @@
 #     bash tools/gpu/run_llm_eval_gpu.sh run [STEP ...]
 #   later calls to the same warm machine: bash tools/gpu/run_llm_eval_gpu.sh run STEP ...
 #
-# STEP (default: test time sweep): `test` (pytest of the GPU harness, real-model part
+# STEP (default: test time sweep): `loop` (tests/gpu/test_decode_loop.py and the
+# decode-loop benchmark's SmolLM2 part), `test` (pytest of the GPU harness, real-model part
 # included), `time` (one santa S = 128 evaluation, 8k tokens, 128 positions, 2 seeds, timed
 # with model loading), `sweep` (the GPU-capable rows of the 8k CPU table, same positions),
 # `dense` (santa S = 128 and Double-P (0.95, 0.7) at 8k on every 4th position of the second
@@ -77,6 +78,12 @@ run)
                 --only santa-systematic-16 santa-stratified-16 santa-iid-16 \
                 santa-systematic-64 santa-stratified-64 santa-iid-64 \
                 2>&1 | tee "$out/accuracy_8192_gpu_ordering.log" ;;
+        loop)
+            python3 -m pytest -q -s -p no:cacheprovider -rs tests/gpu/test_decode_loop.py \
+                2>&1 | tee "$out/pytest_decode_loop.log"
+            python3 -m benchmarks.run --routine decode-loop --quick --no-big \
+                2>&1 | tee "$out/decode_loop_smollm2.log"
+            cp benchmarks/results/bench_decode_loop_*.json "$out/" 2>/dev/null ;;
         *) echo "unknown step $step"; exit 2 ;;
         esac
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
