@@ -330,6 +330,17 @@ class _DoublePPlan:
         cap = min(s.tokens, NL)
         pairs = s.batch * s.kv_heads
         with inputs.device_scope(self.device):
+            # First use: compile the plan's kernels in parallel threads, not one by one.
+            flag = sample is not None
+            launch.prefetch(fam, [
+                k("doublep_cluster_logits").expr(T=ctype, D=D, GMAX=gm),
+                k("doublep_select_sorted").expr()
+                if C <= min(SORT_SELECT_MAX_CLUSTERS, _SORT_MAX_CLUSTERS)
+                else k("doublep_select").expr(),
+                k("doublep_rows").expr(GMAX=gm, SAMPLE=flag),
+                k("doublep_attend").expr(T=ctype, D=D, GMAX=gm, SAMPLE=flag),
+                k("exact_decode_merge").expr(T=ctype),
+                k("doublep_true_mass").expr(T=ctype, D=D, GMAX=gm)], cfg)
             logits = launch.launcher(fam, k("doublep_cluster_logits").expr(T=ctype, D=D, GMAX=gm),
                                       0, cfg)
             self.sorted = C <= min(SORT_SELECT_MAX_CLUSTERS, _SORT_MAX_CLUSTERS)
@@ -341,7 +352,6 @@ class _DoublePPlan:
             else:
                 select = launch.launcher(fam, k("doublep_select").expr(), 0, cfg)
                 self.select_threads = _SELECT_THREADS
-            flag = sample is not None
             rows_k = launch.launcher(fam, k("doublep_rows").expr(GMAX=gm, SAMPLE=flag), 0, cfg)
             name = k("doublep_attend").expr(T=ctype, D=D, GMAX=gm, SAMPLE=flag)
             # The list: row ids, head masks (and sampled-head masks); paged, then each row's

@@ -65,18 +65,18 @@ def prefetch(family: str, names, config=None) -> None:
     waits for the slowest compile instead of their sum on its first use."""
     import cupy
 
-    names = [n for n in dict.fromkeys(names)]
-    if len(names) < 2:
-        for n in names:
-            _module(family, n, config)
-        return
-    from concurrent.futures import ThreadPoolExecutor
-
+    names = list(dict.fromkeys(names))
     dev = cupy.cuda.Device().id
 
-    def compile_one(name):
+    def compile_one(name):  # get_function: CuPy may compile a module lazily
         with cupy.cuda.Device(dev):
-            _module(family, name, config)
+            _module(family, name, config).get_function(name)
+
+    if len(names) < 2:
+        for n in names:
+            compile_one(n)
+        return
+    from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=min(8, len(names))) as pool:
         list(pool.map(compile_one, names))
