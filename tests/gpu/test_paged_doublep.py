@@ -35,8 +35,9 @@ from stochattn import DoublePIndex  # noqa: E402
 from stochattn.cuda import doublep as dp  # noqa: E402
 from stochattn.cuda.doublep import doublep_decode  # noqa: E402
 from stochattn.cuda.runtime.workspace import Workspace  # noqa: E402
-from stochattn.paged import from_contiguous, paged_kv  # noqa: E402
+from stochattn.paged import from_contiguous  # noqa: E402
 
+from paged_helpers import CountingAllocator, assert_bitwise, gpu_paged, host, warm  # noqa: E402
 from gpu_helpers import peaked_inputs, to_device, to_host64  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -52,50 +53,6 @@ FIELDS = ("centroids", "sizes", "value_sums", "labels", "seq_lens", "window_star
 
 
 # ---- helpers ------------------------------------------------------------------------------------
-
-def _framework(dtype):
-    return "cupy" if dtype == "float16" else "torch"
-
-
-def _to_gpu(a, dtype):
-    """A host array (float32 pages or int index arrays) on the GPU: float pages in ``dtype``
-    (float16: CuPy, bfloat16: torch), index arrays in that framework as they are."""
-    if _framework(dtype) == "cupy":
-        return cupy.asarray(a.astype(np.float16) if a.dtype.kind == "f" else a)
-    import torch
-
-    t = torch.as_tensor(np.ascontiguousarray(a), device="cuda")
-    return t.to(torch.bfloat16) if a.dtype.kind == "f" else t
-
-
-def gpu_paged(host, dtype, combined=False, *, index_dtype=None):
-    """The host PagedKV ``host`` (float32 pages) as a GPU one in ``dtype``'s framework, with
-    the host's ``max_tokens``: one combined (num_pages, 2, ...) pool or two pools."""
-    k, v = np.asarray(host.k_pages), np.asarray(host.v_pages)
-    tables = {n: np.asarray(getattr(host, n)) for n in ("kv_indptr", "kv_indices",
-                                                         "kv_last_page_len")}
-    if index_dtype is not None:
-        tables = {n: a.astype(index_dtype) for n, a in tables.items()}
-    tables = {n: _to_gpu(a, dtype) for n, a in tables.items()}
-    if combined:
-        return paged_kv(_to_gpu(np.stack([k, v], axis=1), dtype), **tables, layout=host.layout,
-                        max_tokens=host.max_tokens)
-    return paged_kv(_to_gpu(k, dtype), _to_gpu(v, dtype), **tables, layout=host.layout,
-                    max_tokens=host.max_tokens)
-
-
-def host(x):
-    """A GPU array as a NumPy array, bits kept (bf16 widened exactly)."""
-    if type(x).__module__.split(".")[0] == "torch":
-        return x.detach().float().cpu().numpy() if x.is_floating_point() else x.cpu().numpy()
-    return cupy.asnumpy(x)
-
-
-def assert_bitwise(a, b, what):
-    a, b = host(a), host(b)
-    assert a.shape == b.shape, what
-    assert np.array_equal(a, b, equal_nan=True), (what, float(np.nanmax(np.abs(a - b))))
-
 
 def fields(index):
     return {name: host(getattr(index, name)) for name in FIELDS}
@@ -264,24 +221,6 @@ def host_ptr(a):
 
 # ---- out= and workspaces ------------------------------------------------------------------------------
 
-class _CountingAllocator:
-    """CuPy allocations through the default pool, counted."""
-
-    def __enter__(self):
-        self.pool, self.count = cupy.get_default_memory_pool(), 0
-
-        def malloc(n):
-            self.count += 1
-            return self.pool.malloc(n)
-
-        cupy.cuda.set_allocator(malloc)
-        return self
-
-    def __exit__(self, *exc):
-        cupy.cuda.set_allocator(self.pool.malloc)
-        return False
-
-
 @pytest.mark.parametrize("mode", ["centroid", "sample"])
 def test_torch_plan_and_append_with_out_allocate_nothing_after_a_warm_up(mode):
     """A user's plan keeps its workspace and the index its append scratch: the second decode
@@ -317,7 +256,7 @@ def test_torch_plan_and_append_with_out_allocate_nothing_after_a_warm_up(mode):
     append()  # warm-up: the index's append scratch
     torch.cuda.synchronize()
     before = torch.cuda.memory_stats()["allocation.all.allocated"]
-    with _CountingAllocator() as counter:
+    with CountingAllocator() as counter:
         assert decode() is out
         append()
     torch.cuda.synchronize()
@@ -335,7 +274,7 @@ def test_cupy_call_with_out_and_workspace_allocates_nothing(given):
     ws = Workspace() if given == "Workspace" else cupy.empty(nbytes, dtype=cupy.uint8)
     out = empty_out(q)
     assert doublep_decode(q, cache, None, index, out=out, workspace=ws, **opts) is out
-    with _CountingAllocator() as counter:
+    with CountingAllocator() as counter:
         assert doublep_decode(q, cache, None, index, out=out, workspace=ws, **opts) is out
     assert counter.count == 0
     assert_bitwise(out, doublep_decode(q, k, v, index, **opts), "out")
@@ -389,18 +328,6 @@ def test_page_size_129_is_refused():
 
 # ---- a CUDA graph of [append; decode] --------------------------------------------------------------
 
-def _warm(fn):
-    """One eager call on a side stream (plans, compiles, workspaces), as torch's capture docs
-    advise."""
-    import torch
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-
-
 def test_graph_of_append_and_decode_follows_the_page_table():
     """An engine's decode step on a paged cache, captured once: append the token that left
     the window to the index, then decode into ``out`` (the sampled variant with a device
@@ -446,7 +373,7 @@ def test_graph_of_append_and_decode_follows_the_page_table():
         call = dict(seed=2, offset=off) if SAMPLE_PAGED else {}
         graph_plan.run(q, cache, index=index, out=out, **call)
 
-    _warm(lambda: step(torch.tensor(0, dtype=torch.int64, device="cuda")))  # a no-op append
+    warm(lambda: step(torch.tensor(0, dtype=torch.int64, device="cuda")))  # a no-op append
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         step(offset)

@@ -39,6 +39,7 @@ from stochattn.cuda.runtime.workspace import Workspace  # noqa: E402
 from stochattn.paged import from_contiguous, paged_kv  # noqa: E402
 from stochattn.reference.exact import exact_attention as ref_exact  # noqa: E402
 
+from paged_helpers import CountingAllocator, assert_bitwise, gpu_paged, host, warm  # noqa: E402
 from gpu_helpers import naive_attention, peaked_inputs, to_device, to_host64  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -51,37 +52,6 @@ LAYOUTS = ("NHD", "HND")
 
 # ---- helpers ------------------------------------------------------------------------------------
 
-def _framework(dtype):
-    return "cupy" if dtype == "float16" else "torch"
-
-
-def _to_gpu(a, dtype):
-    """A host array (float32 pages or int index arrays) on the GPU: float pages in ``dtype``
-    (float16: CuPy, bfloat16: torch), index arrays in that framework as they are."""
-    if _framework(dtype) == "cupy":
-        return cupy.asarray(a.astype(np.float16) if a.dtype.kind == "f" else a)
-    import torch
-
-    t = torch.as_tensor(np.ascontiguousarray(a), device="cuda")
-    return t.to(torch.bfloat16) if a.dtype.kind == "f" else t
-
-
-def gpu_paged(host, dtype, combined, *, index_dtype=None):
-    """The host PagedKV ``host`` (float32 pages) as a GPU one in ``dtype``'s framework, with
-    ``max_tokens`` N: one combined (num_pages, 2, ...) pool or two pools, as asked."""
-    k, v = np.asarray(host.k_pages), np.asarray(host.v_pages)
-    tables = {n: np.asarray(getattr(host, n)) for n in ("kv_indptr", "kv_indices",
-                                                         "kv_last_page_len")}
-    if index_dtype is not None:
-        tables = {n: a.astype(index_dtype) for n, a in tables.items()}
-    tables = {n: _to_gpu(a, dtype) for n, a in tables.items()}
-    if combined:
-        return paged_kv(_to_gpu(np.stack([k, v], axis=1), dtype), **tables, layout=host.layout,
-                        max_tokens=host.max_tokens)
-    return paged_kv(_to_gpu(k, dtype), _to_gpu(v, dtype), **tables, layout=host.layout,
-                    max_tokens=host.max_tokens)
-
-
 def make_inputs(dtype, *, D=128, page_size=16, layout="NHD", combined=False, seed=0,
                 lens=LENS, shuffle_seed=1):
     """``(q, k, v, lens, cache)``: contiguous GPU q, k, v of ``dtype`` and a GPU paged cache
@@ -92,21 +62,6 @@ def make_inputs(dtype, *, D=128, page_size=16, layout="NHD", combined=False, see
     host = from_contiguous(k32, v32, lens, page_size=page_size, layout=layout,
                            shuffle_seed=shuffle_seed, extra_pages=2)
     return qd, kd, vd, np.asarray(lens, dtype=np.int32), gpu_paged(host, dtype, combined)
-
-
-def host(x):
-    """A GPU array (or None) as a NumPy array, bits kept (bf16 widened exactly)."""
-    if x is None:
-        return None
-    if type(x).__module__.split(".")[0] == "torch":
-        return x.detach().float().cpu().numpy() if x.is_floating_point() else x.cpu().numpy()
-    return cupy.asnumpy(x)
-
-
-def assert_bitwise(a, b, what):
-    a, b = host(a), host(b)
-    assert a.shape == b.shape, what
-    assert np.array_equal(a, b, equal_nan=True), (what, float(np.nanmax(np.abs(a - b))))
 
 
 def empty_like_out(q, D=128):
@@ -222,24 +177,6 @@ def test_exact_plan_with_out_allocates_nothing_after_a_warm_up():
     assert torch.equal(out, exact_decode(q, k, v, lens))
 
 
-class _CountingAllocator:
-    """CuPy allocations through the default pool, counted."""
-
-    def __enter__(self):
-        self.pool, self.count = cupy.get_default_memory_pool(), 0
-
-        def malloc(n):
-            self.count += 1
-            return self.pool.malloc(n)
-
-        cupy.cuda.set_allocator(malloc)
-        return self
-
-    def __exit__(self, *exc):
-        cupy.cuda.set_allocator(self.pool.malloc)
-        return False
-
-
 @pytest.mark.parametrize("family", ["exact", "flash"])
 @pytest.mark.parametrize("given", ["Workspace", "array"])
 def test_cupy_call_with_out_and_workspace_allocates_nothing(family, given):
@@ -254,7 +191,7 @@ def test_cupy_call_with_out_and_workspace_allocates_nothing(family, given):
     ws = Workspace() if given == "Workspace" else cupy.empty(nbytes, dtype=cupy.uint8)
     out = empty_like_out(q)
     assert run(q, cache, out=out, workspace=ws, **opts) is out  # warm-up (counters, plan)
-    with _CountingAllocator() as counter:
+    with CountingAllocator() as counter:
         assert run(q, cache, out=out, workspace=ws, **opts) is out
     assert counter.count == 0
     assert_bitwise(out, run(q, k, v, lens, **opts), "out")
@@ -317,18 +254,6 @@ def test_seq_lens_or_v_with_a_paged_cache_is_refused():
 
 # ---- CUDA graphs --------------------------------------------------------------------------------
 
-def _warm(fn):
-    """One eager call on a side stream (plans, compiles, the stream's merge counters), as
-    torch's capture docs advise."""
-    import torch
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-
-
 def test_graph_of_a_paged_exact_call_follows_the_page_table():
     """Captured once with ``out``; between replays the engine writes a new token into the
     pool and bumps ``kv_last_page_len`` (in place): each replay equals the eager call on the
@@ -338,7 +263,7 @@ def test_graph_of_a_paged_exact_call_follows_the_page_table():
     q, k, v, lens, cache = make_inputs("bfloat16", page_size=16, layout="NHD", combined=True)
     plan = stochattn.ExactPlan(device="cuda")
     out = empty_like_out(q)
-    _warm(lambda: plan.run(q, cache, out=out))
+    warm(lambda: plan.run(q, cache, out=out))
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         plan.run(q, cache, out=out)
@@ -379,7 +304,7 @@ def test_graph_of_a_paged_flash_call_draws_fresh_numbers_per_replay(kernel):
         santa_flash(q, cache, offset=offset, out=out, workspace=ws, **opts)
         offset.add_(1)
 
-    _warm(lambda: santa_flash(q, cache, offset=0, out=out, workspace=ws, **opts))
+    warm(lambda: santa_flash(q, cache, offset=0, out=out, workspace=ws, **opts))
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         step()
