@@ -296,20 +296,10 @@ def _check_cache(api, k, v):
 _INTS = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
 
 
-def _device_lens(api, seq_lens, like, batch: int, tokens: int, check: bool):
-    """Sequence lengths as a new int64 (B,) array of ``api`` on ``like``'s device.
-
-    None: ``tokens`` each. Host values: checked against [0, tokens], then copied. GPU
-    values: shape, dtype and device checked; values read only when ``check`` (a
-    synchronisation), otherwise clamped to [0, tokens] on the device.
-    """
-    if seq_lens is None:
-        return api.full(like, (batch,), tokens, "int64")
-    host = seq_lens if api is NUMPY_API else host_values("seq_lens", seq_lens)
-    if host is not None:
-        host = np.asarray(host)
-        val.check_seq_lens(host, batch, tokens)  # host data: checking costs nothing
-        return api.from_host(like, np.ascontiguousarray(host, dtype=np.int64))
+def _gpu_lens(api, seq_lens, like, batch: int):
+    """GPU ``seq_lens`` in ``api``'s framework (another framework's array zero-copy through
+    DLPack) with its shape (batch,), integer dtype and device (``like``'s) checked;
+    attributes only."""
     if not api.is_array(seq_lens):  # another framework's GPU array: zero-copy through DLPack
         seq_lens = to_cupy("seq_lens", seq_lens)
         if api is TORCH_API:
@@ -326,6 +316,24 @@ def _device_lens(api, seq_lens, like, batch: int, tokens: int, check: bool):
     if api.device(seq_lens) != device:
         raise ValueError(f"`seq_lens` must be on the GPU of `k` ({device}), "
                          f"got device {api.device(seq_lens)}")
+    return seq_lens
+
+
+def _device_lens(api, seq_lens, like, batch: int, tokens: int, check: bool):
+    """Sequence lengths as a new int64 (B,) array of ``api`` on ``like``'s device.
+
+    None: ``tokens`` each. Host values: checked against [0, tokens], then copied. GPU
+    values: shape, dtype and device checked; values read only when ``check`` (a
+    synchronisation), otherwise clamped to [0, tokens] on the device.
+    """
+    if seq_lens is None:
+        return api.full(like, (batch,), tokens, "int64")
+    host = seq_lens if api is NUMPY_API else host_values("seq_lens", seq_lens)
+    if host is not None:
+        host = np.asarray(host)
+        val.check_seq_lens(host, batch, tokens)  # host data: checking costs nothing
+        return api.from_host(like, np.ascontiguousarray(host, dtype=np.int64))
+    seq_lens = _gpu_lens(api, seq_lens, like, batch)
     if check:
         val.check_seq_lens(api.to_numpy(seq_lens), batch, tokens)
     return api.clip(api.astype(seq_lens, "int64"), 0, tokens)
@@ -612,22 +620,8 @@ def _append_lens(api, ops, seq_lens, like, B: int, N: int):
         val.check_seq_lens(host, B, N)  # host data: checking costs nothing
         dev = api.from_host(like, np.ascontiguousarray(host, dtype=np.int64))
         return ops.ptr(dev), 1, dev
-    if not api.is_array(seq_lens):  # another framework's GPU array: zero-copy through DLPack
-        seq_lens = to_cupy("seq_lens", seq_lens)
-        if api is TORCH_API:
-            import torch
-
-            seq_lens = torch.from_dlpack(seq_lens)
-    shape = tuple(int(s) for s in seq_lens.shape)
-    if shape != (B,):
-        raise ValueError(f"`seq_lens` must have shape ({B},), got {shape}")
+    seq_lens = _gpu_lens(api, seq_lens, like, B)
     dname = api.dtype_name(seq_lens)
-    if dname not in _INTS:
-        raise TypeError(f"`seq_lens` must have an integer dtype, got {dname}")
-    device = api.device(like)
-    if api.device(seq_lens) != device:
-        raise ValueError(f"`seq_lens` must be on the GPU of `k` ({device}), "
-                         f"got device {api.device(seq_lens)}")
     contiguous = seq_lens.is_contiguous() if api is TORCH_API else seq_lens.flags.c_contiguous
     if dname not in ("int32", "int64") or not contiguous:
         seq_lens = api.astype(seq_lens, "int64")
