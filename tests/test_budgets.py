@@ -29,6 +29,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stochattn.eval.budget_study import binom_sf, clopper_pearson
 from stochattn.eval.calibrated import make_calibrated_inputs
 from stochattn.eval.synthetic import keys_for_mass, make_decode_inputs
 from stochattn.reference import budgets as bd
@@ -42,38 +43,6 @@ N, D = 256, 32  # tokens and head dim of the generated heads
 REPS = 32  # calls per head: 320 heads x 32 = 10240 (call, head) pairs per case
 MAX_BUDGET = 10**7
 FAMILIES = ("calibrated", "synthetic", "flat", "peaked", "rank1")
-
-
-# ---------------------------------------------------------------------------------------
-# Binomial helpers (no SciPy in the environment).
-# ---------------------------------------------------------------------------------------
-
-def binom_sf(k: int, n: int, p: float) -> float:
-    """P(Bin(n, p) >= k), exact (log-space terms summed)."""
-    if k <= 0:
-        return 1.0
-    i = np.arange(k, n + 1)
-    logs = (math.lgamma(n + 1) - np.array([math.lgamma(j + 1) for j in i])
-            - np.array([math.lgamma(n - j + 1) for j in i]) + i * math.log(p)
-            + (n - i) * math.log1p(-p))
-    top = logs.max()
-    return float(min(1.0, math.exp(top) * np.exp(logs - top).sum()))
-
-
-def clopper_pearson(k: int, n: int, level: float = 0.95):
-    """Exact two-sided interval of a binomial proportion (bisection on the tails)."""
-    a = (1.0 - level) / 2.0
-
-    def solve(f):
-        lo, hi = 0.0, 1.0
-        for _ in range(60):
-            mid = (lo + hi) / 2.0
-            lo, hi = (mid, hi) if f(mid) else (lo, mid)
-        return lo
-
-    lower = 0.0 if k == 0 else solve(lambda p: binom_sf(k, n, p) < a)
-    upper = 1.0 if k == n else solve(lambda p: 1.0 - binom_sf(k + 1, n, p) >= a)
-    return lower, upper
 
 
 # ---------------------------------------------------------------------------------------
