@@ -167,16 +167,14 @@ class Plan:
     def _buffers(self, call: dict) -> tuple:
         """``(out, workspace)`` of a call, taken out of ``call``: ``out`` as given (None:
         the call allocates its output), the ``workspace`` given, else the plan's own (None
-        for the functions' cached plans: each call allocates). The reference takes ``out``
-        (a NumPy array the result is copied into) and no workspace."""
+        for the functions' cached plans: each call allocates). On the reference ``out`` is
+        handled by :meth:`dispatch` (the result copied into a NumPy ``out``), so this gives
+        None for it, and a workspace is refused."""
         out, ws = call.pop("out", None), call.pop("workspace", None)
-        if self.backend == "reference":
+        if self.backend == "reference":  # `out` was taken by `dispatch`, which fills it
             if ws is not None:
                 raise TypeError("`workspace` is GPU scratch; the reference takes none")
-            if out is not None and not isinstance(out, np.ndarray):
-                raise TypeError(f"`out` must be a NumPy array on the reference, got "
-                                f"{type(out).__name__}")
-            return out, None
+            return None, None
         if ws is None and self.keeps_workspace:
             ws = self.workspace
         return out, ws
@@ -226,7 +224,14 @@ class Plan:
                                           "GPU: " + "; ".join(reasons))
         if self.shape is not None:
             self._check_planned_shape(q, k)
-        return self._run(self.backend, q, k, v, seq_lens, diagnose, call)
+        out = call.pop("out", None) if self.backend == "reference" else None
+        if out is not None and not isinstance(out, np.ndarray):
+            raise TypeError(f"`out` must be a NumPy array on the reference, got "
+                            f"{type(out).__name__}")
+        result = self._run(self.backend, q, k, v, seq_lens, diagnose, call)
+        if out is None:  # the GPU kernels write a given `out` themselves
+            return result
+        return (fill_out(out, result[0]),) + tuple(result[1:]) if diagnose else fill_out(out, result)
 
     def _paged_cuda_missing(self) -> list[str]:
         """Why this plan's GPU kernels cannot read a paged cache in place (empty: they can)."""

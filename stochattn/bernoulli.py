@@ -6,7 +6,7 @@ import numpy as np
 
 from . import _validation as val
 from ._backend import backend_of, host_floats, host_ints, in_callers_framework, require_cupy
-from ._plan import Plan, advance, cached_plan, device_of, fill_out, is_paged, renamed
+from ._plan import Plan, advance, cached_plan, device_of, is_paged, renamed
 from .diagnostics import Diagnostics
 from .reference import bernoulli as _ref
 from .reference.common import finish, lengths
@@ -70,9 +70,6 @@ class BernoulliPlan(Plan):
             result = _bernoulli_reference(q, k, seq_lens, self.bernoulli_draws,
                                           self.bernoulli_group_shared, seed, offset,
                                           self.check_finite, diagnose)
-            if out is not None:
-                result = ((fill_out(out, result[0]),) + result[1:] if diagnose
-                          else fill_out(out, result))
         if self.advance_offset:
             advance(offset)
         return result

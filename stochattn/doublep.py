@@ -38,7 +38,7 @@ import numpy as np
 
 from . import _validation as val
 from ._backend import backend_of, in_callers_framework
-from ._plan import AttentionPlan, advance, cached_plan, device_of, fill_out, is_paged, renamed
+from ._plan import AttentionPlan, advance, cached_plan, device_of, is_paged, renamed
 from .diagnostics import Diagnostics
 from .reference import doublep as _ref
 from .reference import kmeans as _km
@@ -632,7 +632,7 @@ class _DecodePlan(AttentionPlan):
         if self.check_finite:
             val.check_finite(q=q, k=k, v=v)
         result, d = self._reference(q, k, v, lens, index, scale, seed, offset)
-        result = fill_out(out, finish(result, q.dtype))
+        result = finish(result, q.dtype)
         if not diagnose:
             return result
         return result, _diagnostics(lens, d)

@@ -6,7 +6,7 @@ import numpy as np
 
 from . import _validation as val
 from ._backend import backend_of, host_ints, in_callers_framework, require_cupy
-from ._plan import AttentionPlan, cached_plan, device_of, fill_out, is_paged, no_call_arguments
+from ._plan import AttentionPlan, cached_plan, device_of, is_paged, no_call_arguments
 from .diagnostics import Diagnostics
 from .reference import exact as _ref
 from .reference.common import finish, lengths
@@ -61,11 +61,8 @@ class ExactPlan(AttentionPlan):
         if backend == "cuda":
             return _exact_cuda(q, k, v, seq_lens, self.softmax_scale, self.check_finite, diagnose,
                                out, workspace)
-        result = _exact_reference(q, k, v, seq_lens, self.softmax_scale, self.check_finite,
-                                  diagnose)
-        if out is None:
-            return result
-        return (fill_out(out, result[0]), result[1]) if diagnose else fill_out(out, result)
+        return _exact_reference(q, k, v, seq_lens, self.softmax_scale, self.check_finite,
+                                diagnose)
 
 
 def exact_attention(q, k, v=None, seq_lens=None, *, softmax_scale=None, check_finite=False,

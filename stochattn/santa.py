@@ -6,7 +6,7 @@ import numpy as np
 
 from . import _validation as val
 from ._backend import host_floats, host_ints, in_callers_framework, require_cupy
-from ._plan import Plan, advance, cached_plan, device_of, fill_out, is_paged
+from ._plan import Plan, advance, cached_plan, device_of, is_paged
 from .diagnostics import Diagnostics
 from .reference import santa as _ref
 from .reference.common import finish, lengths, union_rows_per_kv_head
@@ -163,9 +163,6 @@ softmax_scale, check_finite
             result = _santa_cuda(q, k, v, seq_lens, self, seed, offset, diagnose, out, workspace)
         else:
             result = _santa_reference(q, k, v, seq_lens, self, seed, offset, diagnose)
-            if out is not None:
-                result = ((fill_out(out, result[0]),) + result[1:] if diagnose
-                          else fill_out(out, result))
         if self.advance_offset:
             advance(offset)
         return result
