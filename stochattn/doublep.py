@@ -23,6 +23,13 @@ temporary (prefill time: it allocates and synchronises) and builds from it. The 
 keeps token positions, never addresses, so it serves the paged cache as is, and pages may
 move between calls.
 
+An index knows the cache it indexes: the build records a fingerprint (the key rows at
+:data:`FINGERPRINT_ROWS` token positions of each sequence and KV head), and with
+``check_finite=True`` every decode compares it with the cache it is given, so an index of
+other keys of the same shape is a ``ValueError`` naming ``index`` instead of a quiet wrong
+answer (:meth:`DoublePIndex.check_keys`; docs/conventions.md). The default path reads
+nothing of it.
+
 Serving on the GPU: ``plan.run(q, cache, index=index, out=out)`` with a plan made by the
 user allocates nothing, copies nothing to the host and does not synchronise once a first
 call has sized the plan's workspace (:attr:`~stochattn.Plan.workspace`; the size is in
@@ -84,6 +91,16 @@ class DoublePIndex:
         middle tokens than clusters).
     n_sink, window, n_clusters : int
         Construction parameters.
+    fingerprint_positions : ndarray of int64, shape (B, S), or None
+        The fingerprint of the keys the index was built from (:meth:`check_keys`):
+        ``S = FINGERPRINT_ROWS`` token positions per sequence, spread evenly over the built
+        prefix ``[0, L_b)`` with the first and the last built token among them
+        (``s * (L_b - 1) // (S - 1)``); -1 for a sequence built empty. Token positions,
+        never page addresses, so pages may move. None (an index made by hand): no check.
+    fingerprint_keys : ndarray, shape (B, Hkv, S, D), or None
+        The key rows at those positions, exact copies: float64 (float32 on a GPU index,
+        on its device); 0 where the position is -1. Appends never change a token's key,
+        so the fingerprint stays valid as the index grows.
     """
 
     centroids: np.ndarray
@@ -96,6 +113,8 @@ class DoublePIndex:
     window: int
     n_clusters: int
     n_initialized: np.ndarray
+    fingerprint_positions: np.ndarray | None = None
+    fingerprint_keys: np.ndarray | None = None
 
     @property
     def value_means(self) -> np.ndarray:
@@ -126,6 +145,8 @@ class DoublePIndex:
         DoublePIndex
             Batch ``sum(index.batch)``, entries in order; every array is a new copy (on the
             GPU for GPU indexes, which must all come from one framework and one device).
+            The fingerprints (:meth:`check_keys`) are stacked too when every index has
+            one; otherwise the stack has none.
 
         Raises
         ------
@@ -175,7 +196,8 @@ class DoublePIndex:
         return cls(centroids=cat("centroids"), sizes=cat("sizes"), value_sums=cat("value_sums"),
                    labels=np.concatenate(labels, axis=0), seq_lens=cat("seq_lens"),
                    window_start=cat("window_start"), n_sink=first.n_sink, window=first.window,
-                   n_clusters=first.n_clusters, n_initialized=cat("n_initialized"))
+                   n_clusters=first.n_clusters, n_initialized=cat("n_initialized"),
+                   **_stacked_fingerprints(indexes, cat))
 
     def csr(self):
         """Tokens grouped by cluster, the layout a GPU kernel reads contiguously.
@@ -274,6 +296,64 @@ class DoublePIndex:
 
     _check_cache = check_cache  # the old name, still called by stochattn.cuda.doublep_index
 
+    def check_keys(self, k) -> None:
+        """The cache ``k`` must be the one the index was built from: its keys at the
+        fingerprint positions must equal those recorded at build time, exactly
+        (``ValueError`` naming `index` and the first differing sequence, head and token
+        otherwise). The decode functions and plans call it when ``check_finite=True``;
+        an index without a fingerprint (made by hand) passes.
+
+        The check reads ``B * Hkv * S`` key rows (``S = FINGERPRINT_ROWS``), a sample: it
+        catches an index used with another cache (another request's, another layer's), not
+        a cache edited in place at a token it does not sample. Keys compare in the
+        index's precision (float64 on the host, float32 on a GPU index), NaN equal to NaN,
+        so the same keys in another dtype that holds them exactly pass. On a GPU index it
+        gathers the rows on the device (through the page table for a paged cache) and
+        copies them, the recorded rows and the positions to the host: allocations and a
+        synchronisation, never on the default decode path.
+
+        Parameters
+        ----------
+        k : array, shape (B, Hkv, N, D), or PagedKV
+            The cache: NumPy for a host index; for a GPU index, a GPU array (CuPy, torch
+            CUDA, other DLPack) or a GPU :class:`~stochattn.paged.PagedKV`.
+
+        Raises
+        ------
+        ValueError
+            A key that differs from the recorded one, a recorded token past the cache's
+            length, or a cache whose (batch, kv_heads, head_dim) is not the index's.
+        """
+        if self.fingerprint_positions is None or self.fingerprint_keys is None:
+            return
+        if self.on_gpu:
+            positions, recorded, got, available = _gpu_index().fingerprint_rows_gpu(self, k)
+        else:
+            positions, recorded, got, available = self._fingerprint_rows(k)
+        _compare_fingerprint(positions, recorded, got, available)
+
+    def _fingerprint_rows(self, k):
+        """``(positions, recorded, rows, available)`` on the host for a host index: the
+        rows of ``k`` at the fingerprint positions (B, Hkv, S, D) and the tokens each
+        sequence of ``k`` holds (B,)."""
+        if is_paged(k):
+            if k.device != "cpu":
+                raise TypeError("`k` must be a NumPy cache for a host index, got a GPU PagedKV")
+            k, _, lens = _unpaged(k, None, None)
+            available = np.asarray(lens, dtype=np.int64)
+        else:
+            k = np.asarray(k)
+            if k.ndim != 4:
+                raise ValueError(f"`k` must have 4 dimensions (batch, kv_heads, tokens, "
+                                 f"head_dim), got shape {k.shape}")
+            available = np.full(k.shape[0], k.shape[2], dtype=np.int64)
+        B, Hkv, N, D = k.shape
+        self.check_cache(B, Hkv, D)
+        positions = np.asarray(self.fingerprint_positions, dtype=np.int64)
+        t = np.clip(positions, 0, N - 1)
+        rows = k[np.arange(B)[:, None], :, t]  # (B, S, Hkv, D)
+        return positions, np.asarray(self.fingerprint_keys), rows.transpose(0, 2, 1, 3), available
+
     def __repr__(self) -> str:
         B, Hkv, C, D = self.centroids.shape
         # On a GPU index, tolist() copies the lengths to the host (a synchronisation).
@@ -281,6 +361,66 @@ class DoublePIndex:
         return (f"DoublePIndex(batch={B}, kv_heads={Hkv}, n_clusters={C}, head_dim={D}, "
                 f"n_sink={self.n_sink}, window={self.window}, seq_lens={self.seq_lens.tolist()}"
                 f"{where})")
+
+
+FINGERPRINT_ROWS = 8
+"""Key rows per (sequence, KV head) in an index's fingerprint (see
+:meth:`DoublePIndex.check_keys`)."""
+
+
+def _fingerprint_positions(lens) -> np.ndarray:
+    """The fingerprint positions (B, S) int64 of sequences built at ``lens`` (host): ``S =
+    FINGERPRINT_ROWS`` positions ``s * (L - 1) // (S - 1)``, from the first built token to
+    the last, -1 for an empty sequence. The GPU index computes the same on the device."""
+    lens = np.asarray(lens, dtype=np.int64)
+    S = FINGERPRINT_ROWS
+    pos = np.arange(S, dtype=np.int64)[None, :] * np.maximum(lens - 1, 0)[:, None] // (S - 1)
+    return np.where(lens[:, None] > 0, pos, -1)
+
+
+def _fingerprint(k, lens) -> dict:
+    """The fingerprint fields of a host index built from ``k`` (B, Hkv, N, D) at ``lens``:
+    positions and float64 copies of the key rows there (0 where the position is -1)."""
+    positions = _fingerprint_positions(lens)
+    B = positions.shape[0]
+    rows = np.asarray(k)[np.arange(B)[:, None], :, np.maximum(positions, 0)]  # (B, S, Hkv, D)
+    keys = np.where((positions >= 0)[:, None, :, None], rows.transpose(0, 2, 1, 3), 0.0)
+    return dict(fingerprint_positions=positions,
+                fingerprint_keys=np.ascontiguousarray(keys, dtype=np.float64))
+
+
+def _compare_fingerprint(positions, recorded, got, available) -> None:
+    """The one home of the fingerprint rule, for both backends (host arrays): ``got`` (B,
+    Hkv, S, D), the cache's rows at ``positions`` (B, S), must equal ``recorded`` in its
+    dtype, NaN equal to NaN, wherever the position is >= 0; a position at or past
+    ``available[b]`` (the tokens sequence b of the cache holds) fails too."""
+    positions = np.asarray(positions, dtype=np.int64)
+    recorded = np.asarray(recorded)
+    got = np.asarray(got).astype(recorded.dtype)  # exact for the dtypes a cache may hold
+    same = ((got == recorded) | (np.isnan(got) & np.isnan(recorded))).all(axis=-1)
+    inside = positions < np.asarray(available, dtype=np.int64)[:, None]  # (B, S)
+    bad = (positions >= 0)[:, None, :] & ~(same & inside[:, None, :])  # (B, Hkv, S)
+    if not bad.any():
+        return
+    b, h, s = (int(i) for i in np.argwhere(bad)[0])
+    t = int(positions[b, s])
+    what = (f"token {t} lies past the cache's {int(available[b])} tokens" if not inside[b, s]
+            else f"the key of token {t} differs from the one recorded at build time")
+    raise ValueError(
+        f"`index` must be built from this cache (by build_doublep_index, then kept current by "
+        f"index.append), got an index of other keys: at sequence {b}, head {h}, {what} "
+        f"({int(bad.sum())} of {int((positions >= 0).sum()) * bad.shape[1]} recorded key rows "
+        f"differ)"
+    )
+
+
+def _stacked_fingerprints(indexes, cat) -> dict:
+    """The fingerprint fields of a stack (``cat`` concatenates one field along the batch):
+    stacked when every index has a fingerprint, none otherwise."""
+    if any(ix.fingerprint_positions is None or ix.fingerprint_keys is None for ix in indexes):
+        return {}
+    return dict(fingerprint_positions=cat("fingerprint_positions"),
+                fingerprint_keys=cat("fingerprint_keys"))
 
 
 def _unpaged(k, v, seq_lens):
@@ -346,6 +486,9 @@ def build_doublep_index(k, v=None, seq_lens=None, *, n_clusters, iterations=10, 
     Returns
     -------
     DoublePIndex
+        With the fingerprint of ``k`` (the key rows at ``FINGERPRINT_ROWS`` positions of
+        each sequence, always recorded: a small gather, no synchronisation on the GPU),
+        which the decode functions compare with their cache when ``check_finite=True``.
 
     Raises
     ------
@@ -381,7 +524,7 @@ def build_doublep_index(k, v=None, seq_lens=None, *, n_clusters, iterations=10, 
     lens = lengths(seq_lens, B, N)
     arrays = _km.build_index(k, v, lens, n_clusters, iterations, n_sink, window, seed, tol)
     return DoublePIndex(seq_lens=lens.copy(), n_sink=n_sink, window=window, n_clusters=n_clusters,
-                        **arrays)
+                        **arrays, **_fingerprint(k, lens))
 
 
 def _check_index(index, shape, seq_lens):
@@ -432,6 +575,7 @@ def _decode_cuda(function, q, k, v, seq_lens, index, softmax_scale, check_finite
                 raise ValueError(f"`seq_lens` must equal the index's seq_lens {want.tolist()} "
                                  f"(call index.append(k, v, seq_lens) after writing new tokens), "
                                  f"got {got.tolist()}")
+        index.check_keys(k)  # the index's fingerprint: a few rows gathered, read back
     res = _cuda.doublep_decode(q, k, v, index, softmax_scale=softmax_scale,
                                return_diagnostics=return_diagnostics, out=out,
                                workspace=workspace, **options)
@@ -496,7 +640,11 @@ def doublep_attention(q, k, v=None, seq_lens=None, *, index, p1=0.95, p2=0.7, ap
     softmax_scale : float, optional
         Logit scale, default ``1 / sqrt(D)``.
     check_finite : bool
-        Check that q, k, v hold no NaN or inf (reads the data; off by default).
+        Check that q, k, v hold no NaN or inf (reads the data; off by default), that
+        ``seq_lens`` equal the index's, and that the index was built from this cache: its
+        fingerprint, the keys at a few recorded tokens per sequence and head, must equal
+        the cache's (:meth:`DoublePIndex.check_keys`; ``ValueError`` naming `index`). On
+        the GPU a synchronisation; off, no check costs anything.
     return_diagnostics : bool
         Also return a :class:`~stochattn.Diagnostics` with clusters_selected (|C_p|),
         clusters_exact (|C_exact|), tokens_exact (sinks + window + tokens of C_exact),
@@ -554,7 +702,8 @@ def cluster_topk_attention(q, k, v=None, seq_lens=None, *, index, k_clusters=Non
     softmax_scale : float, optional
         Logit scale, default ``1 / sqrt(D)``.
     check_finite : bool
-        Check that q, k, v hold no NaN or inf (off by default).
+        Check that q, k, v hold no NaN or inf, and the lengths and the index's fingerprint
+        against the cache, as :func:`doublep_attention` (off by default).
     return_diagnostics : bool
         Also return a :class:`~stochattn.Diagnostics` (clusters_selected, tokens_exact,
         estimated_mass, true_mass, rows read).
@@ -631,6 +780,7 @@ class _DecodePlan(AttentionPlan):
         lens = _check_index(index, shape, seq_lens)
         if self.check_finite:
             val.check_finite(q=q, k=k, v=v)
+            index.check_keys(k)  # the index's fingerprint: the cache it was built from
         result, d = self._reference(q, k, v, lens, index, scale, seed, offset)
         result = finish(result, q.dtype)
         if not diagnose:

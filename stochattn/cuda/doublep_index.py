@@ -6,24 +6,30 @@ given) live on a GPU. Every array of a GPU index lives on the device of the cach
 caller's framework (CuPy in, CuPy arrays; torch in, torch tensors; any other DLPack GPU
 array goes through CuPy and gives CuPy arrays):
 
-=================  ====================  ============================================
-field              shape                 dtype
-=================  ====================  ============================================
-``centroids``      (B, Hkv, C, D)        float32 (the reference: float64)
-``sizes``          (B, Hkv, C)           int64
-``value_sums``     (B, Hkv, C, D)        float32 (the reference: float64)
-``labels``         (B, Hkv, N)           int32, -1 outside the middle tokens
-``seq_lens``       (B,)                  int64
-``window_start``   (B,)                  int64
-``n_initialized``  (B, Hkv)              int64
-=================  ====================  ============================================
+=========================  ====================  ============================================
+field                      shape                 dtype
+=========================  ====================  ============================================
+``centroids``              (B, Hkv, C, D)        float32 (the reference: float64)
+``sizes``                  (B, Hkv, C)           int64
+``value_sums``             (B, Hkv, C, D)        float32 (the reference: float64)
+``labels``                 (B, Hkv, N)           int32, -1 outside the middle tokens
+``seq_lens``               (B,)                  int64
+``window_start``           (B,)                  int64
+``n_initialized``          (B, Hkv)              int64
+``fingerprint_positions``  (B, S)                int64, -1 for a sequence built empty
+``fingerprint_keys``       (B, Hkv, S, D)        float32 (the reference: float64)
+=========================  ====================  ============================================
 
 What runs where, all on the caller's current stream (torch's for tensors, CuPy's for
 arrays):
 
 - **Build.** :func:`stochattn.cuda.kmeans.kmeans_gpu` (Numba-CUDA: seeding bit for bit the
   reference's, float32 Lloyd iterations, deterministic statistics) gives every field but
-  ``seq_lens``, which is stored as an int64 device copy of the lengths. A paged cache (a
+  ``seq_lens``, which is stored as an int64 device copy of the lengths, and the
+  fingerprint (:func:`fingerprint_gpu`: the key rows at ``S = FINGERPRINT_ROWS`` token
+  positions of each sequence's built prefix, gathered by a few framework operations on the
+  device, no synchronisation; see
+  :meth:`DoublePIndex.check_keys <stochattn.doublep.DoublePIndex.check_keys>`). A paged cache (a
   GPU :class:`~stochattn.paged.PagedKV`) is first gathered into a contiguous temporary
   (:func:`gather_prefix`: a few framework operations over the page table; it reads the
   longest length, a synchronisation, and allocates the copy, which is freed after the
@@ -58,11 +64,17 @@ arrays):
   label C and sort last), which orders tokens by cluster and by position inside a cluster
   without relying on a stable sort.
 - **Value means, stack.** Array operations of the framework.
+- **Fingerprint check** (:func:`fingerprint_rows_gpu`, only with ``check_finite=True`` at
+  decode, or an explicit ``index.check_keys(k)``): the cache's rows at the fingerprint
+  positions gathered on the device (through the page table for a paged cache) and copied
+  to the host with the recorded rows: a few small allocations and a synchronisation. The
+  append never touches the fingerprint (a token's key never changes).
 
 Host synchronisations: at build time, one event wait per k-means round (the early stop:
 see :mod:`stochattn.cuda.kmeans`) and, for a paged cache, the read of the longest length;
 otherwise none on these paths, except
-``check_finite=True`` (reads k, v and GPU ``seq_lens``) and ``repr`` (prints the lengths). One caveat at build time:
+``check_finite=True`` (reads k, v and GPU ``seq_lens``; at decode also the fingerprint
+rows) and ``repr`` (prints the lengths). One caveat at build time:
 ``kmeans_gpu`` takes its scratch buffers from Numba's allocator (``cuMemAlloc``, freed
 later by ``cuMemFree``), which is not stream-ordered and may serialise with the device; the
 append allocates only through the framework, and only where its docstring says
@@ -90,13 +102,14 @@ import contextlib
 import numpy as np
 
 from .. import _validation as val
-from .._backend import require_cupy
+from .._backend import host_ints, require_cupy
 from .runtime.arrays import CUPY, TORCH, ArrayMeta, host_values, launch_stream, ops_for, to_cupy
 from .runtime.inputs import device_scope
 from .runtime.pages import CONTIGUOUS
 
 __all__ = ["build_index_gpu", "append_gpu", "append_scratch_bytes", "gather_prefix", "csr_gpu",
-           "value_means_gpu", "stack_gpu", "device_label"]
+           "value_means_gpu", "stack_gpu", "device_label", "fingerprint_gpu",
+           "fingerprint_rows_gpu"]
 
 
 # ---- the framework operations the index needs -------------------------------------------------
@@ -408,6 +421,7 @@ def build_index_gpu(k, v, seq_lens=None, *, n_clusters, iterations=10, n_sink=4,
             # Labels over the paged cache's whole token_bound: appends (and a CUDA graph
             # that captures them) never grow them.
             arrays = dict(arrays, labels=_grown_labels(api, arrays["labels"], bound))
+        arrays = dict(arrays, **fingerprint_gpu(api, k, lens))
     return dict(arrays, seq_lens=lens, n_sink=n_sink, window=window, n_clusters=n_clusters)
 
 
@@ -778,6 +792,145 @@ def _same_rows(ops, k, v):
 _FRAMEWORK = {"numpy": "NumPy array", "cupy": "CuPy array", "torch": "PyTorch CUDA tensor"}
 
 
+# ---- the fingerprint ------------------------------------------------------------------------
+
+
+def fingerprint_gpu(api, k, lens) -> dict:
+    """The fingerprint fields of an index built from ``k`` (B, Hkv, N, D; ``api``'s
+    framework, float16 / bfloat16 / float32) at the device lengths ``lens`` (int64, in
+    [0, N]): ``fingerprint_positions`` (B, S) int64, the host rule of
+    :func:`stochattn.doublep._fingerprint_positions` computed on the device, and
+    ``fingerprint_keys`` (B, Hkv, S, D) float32, exact copies of the key rows there (0 where
+    the position is -1). A few framework operations on the caller's stream; no
+    synchronisation."""
+    from ..doublep import FINGERPRINT_ROWS as S
+
+    B = int(k.shape[0])
+    last = api.maximum(lens - 1, 0)  # (B,) int64
+    positions = api.arange(lens, S)[None, :] * last[:, None] // (S - 1)  # (B, S)
+    built = lens[:, None] > 0
+    positions = api.where(built, positions, api.full(positions, (B, S), -1, "int64"))
+    rows = _rows_at(api, k, api.maximum(positions, 0))  # (B, Hkv, S, D) float32
+    rows = api.where(built[:, None, :, None], rows, api.full(rows, (), 0, "float32"))
+    return dict(fingerprint_positions=positions, fingerprint_keys=_contiguous(api, rows))
+
+
+def _rows_at(api, k, t):
+    """``k[b, :, t[b, s]]`` as float32 (B, Hkv, S, D) for a (B, Hkv, N, D) array and device
+    positions ``t`` (B, S) int64 in [0, N): one gather, bfloat16 widened exactly."""
+    b = api.arange(t, int(k.shape[0]))[:, None]
+    dtype = api.dtype_name(k)
+    rows = _tokens_first(api, _bits(api, k))[b, t]  # (B, S, Hkv, D)
+    return _swap12(api, _as_float32(api, rows, dtype))
+
+
+def _tokens_first(api, a):
+    """A view of a (X, H, T, D) array with axes 1 and 2 swapped: (X, T, H, D)."""
+    return a.transpose(1, 2) if api is TORCH_API else a.transpose(0, 2, 1, 3)
+
+
+_swap12 = _tokens_first  # the same swap, the other way
+
+
+def _bits(api, a):
+    """A bfloat16 NumPy / CuPy array as its uint16 patterns (a view: CuPy's indexing may
+    lack the dtype); anything else as it is."""
+    if api is not TORCH_API and api.dtype_name(a) == "bfloat16":
+        return a.view(np.uint16)
+    return a
+
+
+def _as_float32(api, a, dtype: str):
+    """Gathered rows of a ``dtype`` cache (float16, bfloat16 as :func:`_bits`, float32) as
+    float32, exactly (a copy)."""
+    if dtype == "bfloat16":
+        return api.widen_bf16(a)
+    return api.astype(a, "float32")
+
+
+def _contiguous(api, a):
+    if api is TORCH_API:
+        return a.contiguous()
+    return api.xp.ascontiguousarray(a)
+
+
+def _key_api(name: str, a):
+    """``(api, a)`` for a key array or page pool: NumPy (the CPU tests), torch, CuPy, or
+    another DLPack GPU array taken zero-copy as CuPy."""
+    if isinstance(a, np.ndarray):
+        return NUMPY_API, a
+    if type(a).__module__.split(".")[0] == "torch":
+        return TORCH_API, a
+    require_cupy("DoublePIndex.check_keys")
+    if type(a).__module__.split(".")[0] != "cupy":
+        a = to_cupy(name, a)
+    return CUPY_API, a
+
+
+def fingerprint_rows_gpu(index, k):
+    """What :meth:`DoublePIndex.check_keys <stochattn.doublep.DoublePIndex.check_keys>`
+    compares, for a GPU index, as host arrays: ``(positions (B, S), recorded (B, Hkv, S, D)
+    float32, rows (B, Hkv, S, D) float32, available (B,))``, where ``rows`` are the keys of
+    the cache ``k`` at the index's fingerprint positions and ``available`` the tokens each
+    sequence of ``k`` holds (N for an array, the page table's lengths for a paged cache).
+
+    The rows are gathered on the device in the cache's framework (a paged cache through
+    its page table, any layout and page size) and copied to the host, with the recorded
+    rows and the positions: small allocations and a synchronisation (the check path of
+    ``check_finite=True``, never the default decode path). The comparison itself is the
+    host's :func:`stochattn.doublep._compare_fingerprint`, one rule for both backends.
+
+    Raises
+    ------
+    ValueError
+        A cache whose (batch, kv_heads, head_dim) is not the index's.
+    """
+    iapi = _api_of_array("index", index.fingerprint_positions)
+    positions = iapi.to_numpy(index.fingerprint_positions).astype(np.int64)  # synchronises
+    recorded = iapi.to_numpy(index.fingerprint_keys)
+    if _is_paged(k):
+        rows, available = _paged_rows(index, k, positions)
+    else:
+        kapi, k = _key_api("k", k)
+        if len(k.shape) != 4:
+            raise ValueError(f"`k` must have 4 dimensions (batch, kv_heads, tokens, head_dim), "
+                             f"got shape {tuple(int(s) for s in k.shape)}")
+        B, Hkv, N, D = (int(s) for s in k.shape)
+        index.check_cache(B, Hkv, D)
+        with kapi.scope(kapi.device(k)):
+            t = kapi.from_host(k, np.clip(positions, 0, N - 1))
+            rows = kapi.to_numpy(_rows_at(kapi, k, t))
+        available = np.full(B, N, dtype=np.int64)
+    return positions, recorded, rows, available
+
+
+def _paged_rows(index, cache, positions):
+    """``(rows (B, Hkv, S, D) float32 on the host, lengths (B,))`` of a paged cache at the
+    fingerprint positions: token t of sequence b is page ``kv_indices[kv_indptr[b] + t //
+    P]``, slot ``t % P`` (positions past a sequence's length are clamped to its last token
+    and reported by the comparison)."""
+    B, Hkv, D, P = cache.batch, cache.kv_heads, cache.head_dim, cache.page_size
+    index.check_cache(B, Hkv, D)
+    kapi, pool = _key_api("k_pages", cache.k_pages)
+    _, indices = _key_api("kv_indices", cache.kv_indices)
+    indptr = host_ints(cache.kv_indptr)  # (B + 1,) and (B,): small, read on the host
+    lens = host_ints(cache.seq_lens)
+    nnz = int(indices.shape[0])
+    S = positions.shape[1]
+    if nnz == 0:  # no sequence holds a token
+        return np.zeros((B, Hkv, S, D), dtype=np.float32), np.zeros(B, dtype=np.int64)
+    t = np.clip(positions, 0, np.maximum(lens - 1, 0)[:, None])
+    slot = np.clip(indptr[:-1, None] + t // P, 0, nnz - 1)
+    with kapi.scope(kapi.device(pool)):
+        page = kapi.astype(indices, "int64")[kapi.from_host(pool, slot)]  # (B, S)
+        inner = kapi.from_host(pool, t % P)
+        dtype = kapi.dtype_name(pool)
+        pool = _bits(kapi, pool)
+        nhd = pool if cache.layout == "NHD" else _tokens_first(kapi, pool)
+        rows = _swap12(kapi, _as_float32(kapi, nhd[page, inner], dtype))  # (B, Hkv, S, D)
+        return kapi.to_numpy(rows), lens
+
+
 # ---- views of an index ----------------------------------------------------------------------
 
 
@@ -851,9 +1004,12 @@ def stack_gpu(indexes) -> dict:
             lab[..., :ix.labels.shape[-1]] = ix.labels
             labels.append(lab)
         cat = lambda name: api.concatenate([getattr(ix, name) for ix in indexes])  # noqa: E731
+        from ..doublep import _stacked_fingerprints
+
         return dict(centroids=cat("centroids"), sizes=cat("sizes"), value_sums=cat("value_sums"),
                     labels=api.concatenate(labels), seq_lens=cat("seq_lens"),
-                    window_start=cat("window_start"), n_initialized=cat("n_initialized"))
+                    window_start=cat("window_start"), n_initialized=cat("n_initialized"),
+                    **_stacked_fingerprints(indexes, cat))
 
 
 def device_label(index) -> str:
