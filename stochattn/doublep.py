@@ -39,6 +39,7 @@ workspace is sized (a first append): both can be captured in one CUDA graph.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -624,7 +625,11 @@ def doublep_attention(q, k, v=None, seq_lens=None, *, index, p1=0.95, p2=0.7, ap
         boundary.
     p1, p2 : float in (0, 1]
         Stage 1 and stage 2 thresholds (paper: 0.95/0.7 for Llama-3.1-8B, 0.99/0.8 for
-        Qwen3-8B). ``p1 = p2 = 1`` gives exact attention.
+        Qwen3-8B), with ``p2 <= p1``: stage 2 picks clusters inside C_p, so a larger p2
+        cannot be reached and is clamped to p1 with a ``UserWarning`` naming `p2` (the
+        output is that of ``p2 = p1``), except ``p2 = 1``, which means every cluster of
+        C_p exact (the target of the sampled variant) and warns nothing. ``p1 = p2 = 1``
+        gives exact attention.
     approx : {"centroid", "sample"}
         How C_approx enters: ``"centroid"`` (the paper) as one pseudo-token per cluster,
         logit ``log Zhat_i`` and value the cluster's mean value; ``"sample"`` by ``budget``
@@ -813,6 +818,14 @@ class DoublePPlan(_DecodePlan):
         self.advance_offset = val.check_bool("advance_offset", advance_offset)
         self.p1 = val.check_probability("p1", p1)
         self.p2 = val.check_probability("p2", p2)
+        if self.p1 < self.p2 < 1.0:  # stage 2 works inside C_p: its mass cannot pass p1
+            # Clamped, not an error: callers (tests/test_doublep.py's property test of the
+            # stages) draw p1 and p2 independently and rely on the cap.
+            warnings.warn(f"`p2` ({self.p2}) above p1 ({self.p1}) cannot be reached: stage 2 "
+                          f"picks clusters inside C_p, so p2 is clamped to p1 (pass p2 <= p1, "
+                          f"or p2 = 1 for every cluster of C_p exact)", UserWarning,
+                          stacklevel=2)
+            self.p2 = self.p1
         self.approx = val.check_choice("approx", approx, APPROX)
         if self.approx == "sample":
             if budget is None:

@@ -1,5 +1,5 @@
 """A Double-P index knows the cache it indexes (docs/conventions.md, "An index knows what it
-indexes").
+indexes"), and Double-P's p2 above p1 is clamped with a warning (docs/plans.md).
 
 - The build records a fingerprint: per sequence, FINGERPRINT_ROWS positions spread over the
   built prefix (first and last built token included), and the key rows there, exactly.
@@ -16,10 +16,12 @@ indexes").
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
-from stochattn import ClusterTopKPlan, DoublePPlan
+from stochattn import ClusterTopKPlan, DoublePPlan, clear_plan_cache
 from stochattn.doublep import (FINGERPRINT_ROWS, DoublePIndex, _compare_fingerprint,
                                _fingerprint_positions, build_doublep_index,
                                cluster_topk_attention, doublep_attention)
@@ -279,3 +281,28 @@ def test_gpu_rows_through_arrays_and_pages(gpu_module, layout):
                                          shuffle_seed=6)):
         with pytest.raises(ValueError, match="at sequence 2, head 1, the key of token 36"):
             _compare_fingerprint(*gpu_module.fingerprint_rows_gpu(index, cache_k))
+
+
+# ---- p2 > p1 ------------------------------------------------------------------------------------
+
+def test_p2_above_p1_is_clamped_with_a_warning_except_one():
+    """p2 in (p1, 1) cannot be reached (stage 2 works inside C_p): the plan clamps it to p1
+    and warns, naming `p2` (tests/test_doublep.py's property test draws p1 and p2
+    independently and relies on the cap); p2 = 1, "every cluster of C_p exact", is silent."""
+    clear_plan_cache()  # the functions' plans are cached: warn at their first call
+    with pytest.warns(UserWarning, match=r"`p2` \(0.9\) above p1 \(0.8\) cannot be reached.*"
+                                         r"clamped to p1"):
+        plan = DoublePPlan(p1=0.8, p2=0.9)
+    assert plan.p2 == 0.8 and plan.options()["p2"] == 0.8
+    q, k, v = inputs()
+    index = build(k, v)
+    same = doublep_attention(q, k, v, LENS, index=index, p1=0.8, p2=0.8)
+    with pytest.warns(UserWarning, match=r"`p2` \(0.95\) above p1 \(0.8\)"):
+        got = doublep_attention(q, k, v, LENS, index=index, p1=0.8, p2=0.95)
+    np.testing.assert_array_equal(got, same)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        one = doublep_attention(q, k, v, LENS, index=index, p1=0.8, p2=1.0)
+        DoublePPlan(p1=1.0, p2=0.3)
+        DoublePPlan(p1=0.5, p2=0.5, approx="sample", budget=4)
+    np.testing.assert_array_equal(one, same)  # p2 = 1: every cluster of C_p exact
