@@ -14,6 +14,11 @@
 //    Outputs: qhat (B * Hq, D) fp32; feat (B * Hkv, D) int32, the features some head of
 //    the group keeps in ascending order, and nfeat (B * Hkv) their number; frac (B * Hq)
 //    fp32, the fraction of the D features head h reads (its own pattern, or the group's).
+//    A head whose q holds a NaN or an infinity keeps no feature (the reference's counts are
+//    0 there: alpha is not finite) and gets q_hat = NaN, and feature 0 joins the group's
+//    list so that its logits are NaN (decode_common.cuh, non-finite input); with
+//    group_shared such a head makes the group's amax NaN, so no head keeps a feature (the
+//    reference's max is NaN too).
 // 2. bernoulli_logits_fm, grid (num_chunks, Hkv, B), block kFmThreads: the logits
 //    x = q_hat . k of every token of the chunk from a FEATURE-MAJOR copy of K,
 //    kfm (B, Hkv, D, ld) with ld (>= N, a multiple of 8) tokens per feature row: only the
@@ -78,12 +83,19 @@ bernoulli_qhat(const T* __restrict__ q, float* __restrict__ qhat, int* __restric
   if (j < 8) heads_kept[j] = 0;
   __syncthreads();
 
+  // Heads whose query holds a NaN or an infinity (bit g): uniform over the block.
+  unsigned bad = 0;
+  for (int g = 0; g < G; ++g)
+    if (__syncthreads_or(active && not_finite(Elem<T>::to_float(q[(head0 + g) * D + j].bits))))
+      bad |= 1u << g;
+
   bool any = false;  // some head of the group reads feature j
   if (group_shared) {
     double a = 0.0;
     for (int g = 0; g < G; ++g)
       if (active) a += fabs((double)Elem<T>::to_float(q[(head0 + g) * D + j].bits));
-    const double amax = qhat_block_max(active ? a : 0.0, red);
+    double amax = qhat_block_max(active ? a : 0.0, red);
+    if (bad) amax = (double)STOCHATTN_NAN;  // no draw keeps a feature (u * NaN < a is false)
     const RngStream rs = RngStream::make(seed, offset, PURPOSE_BERNOULLI, (unsigned)(b * Hkv + kvh));
     const int c = active ? qhat_count(rs, D, j, draws, amax, a) : 0;
     any = c > 0;
@@ -91,8 +103,9 @@ bernoulli_qhat(const T* __restrict__ q, float* __restrict__ qhat, int* __restric
     const double w = any ? ((double)c / (double)draws) * (amax / a) : 0.0;
     for (int g = 0; g < G; ++g)
       if (active)
-        qhat[(head0 + g) * D + j] =
-            (float)((double)Elem<T>::to_float(q[(head0 + g) * D + j].bits) * w * (double)scale);
+        qhat[(head0 + g) * D + j] = ((bad >> g) & 1u)
+            ? STOCHATTN_NAN
+            : (float)((double)Elem<T>::to_float(q[(head0 + g) * D + j].bits) * w * (double)scale);
     if (any) atomicAdd(&heads_kept[0], 1);
   } else {
     for (int g = 0; g < G; ++g) {
@@ -102,15 +115,17 @@ bernoulli_qhat(const T* __restrict__ q, float* __restrict__ qhat, int* __restric
       const RngStream rs = RngStream::make(seed, offset, PURPOSE_BERNOULLI, (unsigned)(head0 + g));
       const int c = active ? qhat_count(rs, D, j, draws, amax, a) : 0;
       const double sgn = qj > 0.f ? 1.0 : (qj < 0.f ? -1.0 : 0.0);
+      const bool badg = (bad >> g) & 1u;
       if (active)
-        qhat[(head0 + g) * D + j] = (float)(amax * sgn * ((double)c / (double)draws) * (double)scale);
-      if (c > 0) {
+        qhat[(head0 + g) * D + j] = badg ? STOCHATTN_NAN
+            : (float)(amax * sgn * ((double)c / (double)draws) * (double)scale);
+      if (c > 0 && !badg) {
         any = true;
         atomicAdd(&heads_kept[g], 1);
       }
     }
   }
-  kept[j] = any ? 1 : 0;
+  kept[j] = any || (bad && j == 0) ? 1 : 0;  // a bad head reads feature 0: NaN logits
   __syncthreads();
   if (j == 0) {  // ascending list of the group's features (D <= 128 steps, once per group)
     int n = 0;
@@ -181,6 +196,9 @@ bernoulli_logits_fm(const float* __restrict__ qhat, const T* __restrict__ kfm,
     for (int g = 0; g < GMAX; ++g) {
       if (g < G) {
         float* xo = xout + g * n_pad + n0;
+        // inf_to_nan: an infinity (a non-finite key feature that is read) becomes NaN.
+#pragma unroll
+        for (int e = 0; e < kFmTokens; ++e) acc[g][e] = inf_to_nan(acc[g][e]);
         if (n0 + kFmTokens <= end) {  // n_pad and n0 are multiples of 8: 16-byte aligned
           *reinterpret_cast<float4*>(xo) = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
           *reinterpret_cast<float4*>(xo + 4) = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);

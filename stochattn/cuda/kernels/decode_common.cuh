@@ -12,6 +12,7 @@
 // storage types converted with PTX cvt instructions.
 
 #define STOCHATTN_NEG_INF (__int_as_float(0xff800000))
+#define STOCHATTN_NAN (__int_as_float(0x7fffffff))
 
 // Programmatic dependent launch (sm_90), compiled in with -DSTOCHATTN_PDL=1
 // (config.TileConfig.pdl). Every kernel starts with STOCHATTN_PDL_ENTRY(): it waits
@@ -280,6 +281,81 @@ __device__ __forceinline__ void load_group_queries_f32(const float* __restrict__
       for (int e = 0; e < 8; ++e) qf[g][e] = 0.f;
     }
   }
+}
+
+// ---- non-finite input (docs/conventions.md) -------------------------------------------
+// A NaN or an infinity in a query, or in a key a head reads, makes that head's output row
+// NaN, never a zero row or a finite wrong answer. No extra live register in the streaming
+// loops: the exact and flash CUDA-core kernels pay one FFMA per K row (key_probe), the
+// tensor-core ones one FFMA per logit (l + x * 0, or inf_to_nan on stored logits); the
+// rest happens once per CTA. A NaN l (a head's sum of weights) or acc is the mark that
+// group_state.cuh turns into a NaN row; the sampled kernels mark a NaN tile mass.
+
+// Bits of a float that is a NaN or an infinity (integer ops: no compiler may fold them).
+__device__ __forceinline__ bool not_finite(float x) {
+  return (__float_as_uint(x) & 0x7f800000u) == 0x7f800000u;
+}
+
+// x with an infinity made a NaN, finite values bit for bit (x * 0 + x: the product is an
+// exact zero of x's sign; inf * 0 is NaN). One FFMA. A logit of -inf of a row in the
+// sequence would otherwise look like a row past it (weight 0); a NaN one poisons the
+// softmax state (l) or the tile statistics of its head.
+__device__ __forceinline__ float inf_to_nan(float x) { return fmaf(x, 0.f, x); }
+
+// max that keeps a NaN (fmaxf drops it: fmaxf(NaN, x) = x), for the merges of states whose
+// max may be NaN. One instruction, as fmaxf (sm_80+).
+__device__ __forceinline__ float nan_max(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+// The heads of the group whose query holds a NaN or an infinity (bit g), from the loaded
+// queries qf (load_group_queries); their features are zeroed, so every logit stays finite
+// for finite keys and head 0's partial dot products can probe the keys (key_probe). The
+// caller marks those heads with poison_values. A vote over the warp: every lane of the warp
+// calls it; the row groups of a warp each hold the whole query (D / 8 lanes of 8
+// features), so the vote sees every feature.
+template <int GMAX>
+__device__ __forceinline__ unsigned query_faults(float (&qf)[GMAX][8], int G) {
+  unsigned bad = 0;
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    if (g < G) {
+      bool mine = false;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) mine |= not_finite(qf[g][e]);
+      if (__any_sync(0xffffffffu, mine)) {
+        bad |= 1u << g;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) qf[g][e] = 0.f;
+      }
+    }
+  }
+  return bad;
+}
+
+// The accumulators of the heads of `bad` (query_faults) start NaN: NaN * c and NaN + w stay
+// NaN, so the head's output row is NaN (0 * NaN too: a weight that underflows keeps it).
+template <int GMAX, int W>
+__device__ __forceinline__ void poison_values(float (&acc)[GMAX][W], int G, unsigned bad) {
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g)
+#pragma unroll
+    for (int e = 0; e < W; ++e)
+      if (g < G && ((bad >> g) & 1u)) acc[g][e] = STOCHATTN_NAN;
+}
+
+// One FFMA per K row, into head 0's running sum l0 (l0 + x * 0 = l0 bit for bit): l0 turns
+// NaN once a row's partial dot product of head 0 (x[p * GMAX], this thread's 8 features,
+// before the row-group reduction) is not finite. With a finite query (query_faults zeroed
+// the bad ones) that happens exactly when one of the key's 8 features is NaN or infinite,
+// which a logit of -inf would otherwise hide (weight 0). Rows past the end are zero-filled.
+// finish_group_state(..., probed = true) turns a NaN l[0] into NaN rows for every head.
+template <int GMAX, int RPT>
+__device__ __forceinline__ void key_probe(const float (&x)[RPT * GMAX], float& l0) {
+#pragma unroll
+  for (int p = 0; p < RPT; ++p) l0 = fmaf(x[p * GMAX], 0.f, l0);
 }
 
 // Partial dot products of this thread's 8 features with the G queries, for its RPT rows

@@ -1214,6 +1214,15 @@ doublep_attend(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[g][e] = 0.f;
   }
+  // Non-finite input (decode_common.cuh): a head with a bad query starts with l = NaN (its
+  // partial is NaN even if this CTA holds no row it computes) and a zeroed query; below, an
+  // infinite logit of a row a head computes or samples becomes NaN (inf_to_nan).
+  {
+    const unsigned qbad = query_faults<GMAX>(qf, G);
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g)
+      if ((qbad >> g) & 1u) l[g] = STOCHATTN_NAN;
+  }
   for (int b0 = lo; b0 < hi; b0 += kListCap) {
     const int count = min(kListCap, hi - b0);
     stage_row_list(rows, hmasks, counts, pair, slices, b0, count, list, hmask,
@@ -1260,9 +1269,10 @@ doublep_attend(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
         const unsigned am = SAMPLE && i < count ? amask[i] : 0u;
 #pragma unroll
         for (int g = 0; g < GMAX; ++g) {
+          const float xg = inf_to_nan(x[p * GMAX + g]);
           if (SAMPLE && ((am >> g) & 1u) && lr == g % LPR)
-            stash[(head0 + g) * n_pad + list[i]] = x[p * GMAX + g] * 0.69314718055994531f;
-          x[p * GMAX + g] = ((hm >> g) & 1u) ? x[p * GMAX + g] : STOCHATTN_NEG_INF;
+            stash[(head0 + g) * n_pad + list[i]] = xg * 0.69314718055994531f;
+          x[p * GMAX + g] = ((hm >> g) & 1u) ? xg : STOCHATTN_NEG_INF;
         }
       }
       accumulate_stage<T, D, GMAX>(x, sv, rg, lr, G, m, l, acc);

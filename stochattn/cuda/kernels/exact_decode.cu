@@ -97,6 +97,9 @@ exact_decode_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[g][e] = 0.f;
   }
+  // Non-finite input (decode_common.cuh): a head with a bad query gets a NaN accumulator
+  // (and a zeroed query); key_probe below marks l[0] when a key is not finite.
+  poison_values<GMAX, 8>(acc, G, query_faults<GMAX>(qf, G));
 
   int rd = 0, wr = kStages - 1;  // stage buffers read and refilled this iteration
   for (long long it = 0; it < ntiles; ++it) {
@@ -123,6 +126,7 @@ exact_decode_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __
     // row-group sums (decode_common.cuh: row_group_sums).
     float x[RPT * GMAX];
     group_partial_dots<T, D, GMAX>(sk, rg, lr, G, qf, x);
+    key_probe<GMAX, RPT>(x, l[0]);
     row_group_sums<LPR>(x, lr);
 
     // Rows past `end` get logit -inf (weight 0), then the stage enters the online softmax.
@@ -138,7 +142,7 @@ exact_decode_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __
   __syncthreads();  // the stage buffers become the merge buffers below
 
   finish_group_state<T, D, GMAX>(m, l, acc, G, smem, head0, out, part_o, part_ml, num_chunks,
-                                 chunk);
+                                 chunk, /*probed=*/true);
   if (counters)
     merge_if_last_chunk<T, D>(counters, (long long)b * Hkv + kvh, G, head0, part_o, part_ml, out,
                               num_chunks);

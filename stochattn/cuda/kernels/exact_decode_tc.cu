@@ -131,6 +131,11 @@ exact_decode_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T*
     // S^T: x[t][e] = logit of head grp, key 8 t + 2 tig + e.
     float x[NT][2];
     tc::tile_logits<T, D, ROWS>(x, sk, qa, lane);
+    // Non-finite input (decode_common.cuh): l + x * 0 is l, or NaN once a logit of head
+    // grp is not finite (its query or a key holds a NaN or an infinity; a -inf would weigh
+    // 0), and a NaN l makes the head's output row NaN (rows past the end are zeros: 0).
+#pragma unroll
+    for (int t = 0; t < NT; ++t) l = fmaf(x[t][0], 0.f, fmaf(x[t][1], 0.f, l));
 
     // Scale, mask rows past the end, one max shift per tile (the quad's lanes share it).
     const float xm = tc::scale_mask_max<NT>(x, row0, end, tig, scale_log2);

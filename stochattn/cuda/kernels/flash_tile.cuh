@@ -115,11 +115,16 @@ __device__ __forceinline__ void flash_tile_epilogue(
   }
 
   // ---- 3. running state per head and the weight of one draw ----
+  // A head whose tile read a NaN or +inf logit has l_t = NaN (its CDF is NaN from that row
+  // on): its L turns NaN (a NaN output row, finish_group_state) and it draws nothing (a
+  // NaN CDF could select a row past the sequence); its index slots get -1. Uniform.
   float wdraw[GMAX];  // exp2(m_t - M) l_t / S_t
+  unsigned skip = 0;
 #pragma unroll
   for (int g = 0; g < GMAX; ++g) {
     wdraw[g] = 0.f;
     if (g < G) {
+      if (tl[g] != tl[g]) skip |= 1u << g;
       const float m2 = tm[g] * kLog2e;
       const float mn = fmaxf(M[g], m2);      // finite
       const float corr = exp2f(M[g] - mn);   // 0 on the warp's first tile (M = -inf)
@@ -141,6 +146,11 @@ __device__ __forceinline__ void flash_tile_epilogue(
       const float* cr = xs + g * XS;
       int* cn = cnt + g * TS;
       long long* ir = idx_out ? idx_out + (head0 + g) * idx_stride + t * St : nullptr;
+      if ((skip >> g) & 1u) {  // uniform
+        if (ir)
+          for (int i = lane; i < St; i += 32) ir[i] = -1;
+        continue;
+      }
       const RngStream rs = RngStream::make(seed, offset, PURPOSE_VALUE_SAMPLER, (unsigned)(head0 + g));
       // T_m = c_m / c_{S_t}, c_i = E_0 + ... + E_i, E_i = -log(u_i) (draws 0..S_t). The
       // prefix is summed in index order like NumPy's cumsum: per 32 spacings, every lane
@@ -184,10 +194,14 @@ __device__ __forceinline__ void flash_tile_epilogue(
       const double u0 = __shfl_sync(0xffffffffu, u_mine, g);
       if (i < items) {
         const int m = i - g * St;
-        const RngStream rs = RngStream::make(seed, offset, PURPOSE_VALUE_SAMPLER, (unsigned)(head0 + g));
-        const int r = flash_local_row(xs + g * XS, TS, flash_point(rs, sampler, stream, m, St, u0));
-        atomicAdd(cnt + g * TS + r, 1);
-        if (idx_out) idx_out[(head0 + g) * idx_stride + t * St + m] = tok0 + r;
+        if ((skip >> g) & 1u) {
+          if (idx_out) idx_out[(head0 + g) * idx_stride + t * St + m] = -1;
+        } else {
+          const RngStream rs = RngStream::make(seed, offset, PURPOSE_VALUE_SAMPLER, (unsigned)(head0 + g));
+          const int r = flash_local_row(xs + g * XS, TS, flash_point(rs, sampler, stream, m, St, u0));
+          atomicAdd(cnt + g * TS + r, 1);
+          if (idx_out) idx_out[(head0 + g) * idx_stride + t * St + m] = tok0 + r;
+        }
       }
     }
   }

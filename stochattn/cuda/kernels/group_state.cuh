@@ -66,6 +66,8 @@ __device__ __forceinline__ void accumulate_stage(float (&x)[Tiling<D>::kRowsPerT
 // -> the G heads' output rows (num_chunks == 1) or normalised partial and (max, sum) at
 // slot `chunk`. The caller has synchronised after filling the buffers. WARPS and THREADS:
 // the CTA's shape (the tiling macros' by default; exact_decode_tc.cu has its own).
+// Non-finite input (decode_common.cuh): a warp whose l or m is NaN makes the head's max M
+// NaN (nan_max), hence its row and partial NaN (M, L = NaN), never a zero row.
 template <typename T, int D, int GMAX, int WARPS = kWarps, int THREADS = kThreads>
 __device__ __forceinline__ void combine_warps_and_write(const unsigned char* smem, int G,
                                                         long long head0, T* __restrict__ out,
@@ -81,7 +83,10 @@ __device__ __forceinline__ void combine_warps_and_write(const unsigned char* sme
     const int g = i / D, d = i % D;
     float M = STOCHATTN_NEG_INF;
 #pragma unroll
-    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, sm_m[w * GMAX + g]);
+    for (int w = 0; w < WARPS; ++w) {
+      const float lw = sm_l[w * GMAX + g];
+      M = nan_max(M, lw == lw ? sm_m[w * GMAX + g] : STOCHATTN_NAN);
+    }
     float L = 0.f, o = 0.f;
     if (M != STOCHATTN_NEG_INF) {
 #pragma unroll
@@ -91,7 +96,7 @@ __device__ __forceinline__ void combine_warps_and_write(const unsigned char* sme
         o = fmaf(sm_acc[(w * GMAX + g) * D + d], c, o);
       }
     }
-    const float res = L > 0.f ? o / L : 0.f;
+    const float res = L == 0.f ? 0.f : o / L;  // NaN L: NaN
     const long long hrow = head0 + g;
     if (num_chunks == 1) {
       out[hrow * D + d] = Elem<T>::from_float(res);
@@ -108,8 +113,9 @@ __device__ __forceinline__ void combine_warps_and_write(const unsigned char* sme
 // Feature d of the merged output row `row` from its num_chunks partials (written by
 // combine_warps_and_write / write_empty_group): out = sum_c w_c o_c / sum_c w_c with
 // w_c = l_c * 2^(m_c - M), M the max over chunks (log2 domain). Chunks that saw no token
-// have m_c = -inf, l_c = 0 and weigh nothing; a row with no token at all gets 0. The order
-// of the sums is fixed (deterministic). Loads bypass L1 (__ldcg): the in-kernel merge reads
+// have m_c = -inf, l_c = 0 and weigh nothing; a row with no token at all gets 0; a NaN max
+// (a chunk that read non-finite input) makes the row NaN. The order of the sums is fixed
+// (deterministic). Loads bypass L1 (__ldcg): the in-kernel merge reads
 // partials that other CTAs wrote during the same launch.
 __device__ __forceinline__ float merge_chunk_partials(const float* __restrict__ part_o,
                                                       const float* __restrict__ part_ml,
@@ -117,7 +123,7 @@ __device__ __forceinline__ float merge_chunk_partials(const float* __restrict__ 
                                                       int D) {
   const float* ml = part_ml + row * num_chunks * 2;
   float M = STOCHATTN_NEG_INF;
-  for (int c = 0; c < num_chunks; ++c) M = fmaxf(M, __ldcg(ml + 2 * c));
+  for (int c = 0; c < num_chunks; ++c) M = nan_max(M, __ldcg(ml + 2 * c));
   float L = 0.f, o = 0.f;
   if (M != STOCHATTN_NEG_INF) {
     for (int c = 0; c < num_chunks; ++c) {
@@ -126,7 +132,7 @@ __device__ __forceinline__ float merge_chunk_partials(const float* __restrict__ 
       o = fmaf(w, __ldcg(part_o + (row * num_chunks + c) * D + d), o);
     }
   }
-  return L > 0.f ? o / L : 0.f;
+  return L == 0.f ? 0.f : o / L;
 }
 
 // The merge inside the chunk launch: every thread of every CTA of the grid calls this after
@@ -184,17 +190,25 @@ __device__ __forceinline__ void write_empty_group(int G, long long head0, T* __r
 // row groups of a warp by shuffles, then warps through shared memory (`smem`, at least
 // (2 + D) * WARPS * GMAX floats; every thread must be done with it: the caller syncs
 // before). The order of the sums is fixed, so the result is deterministic. WARPS and
-// THREADS: the CTA's shape (the tiling macros' by default).
+// THREADS: the CTA's shape (the tiling macros' by default). Non-finite input
+// (decode_common.cuh): a head whose l is NaN on some thread (it read a non-finite logit)
+// gets m = NaN here, which the merges below carry (nan_max) to a NaN output row; with
+// `probed` (the caller ran key_probe into l[0] over queries that query_faults made finite)
+// a NaN l[0] on any lane of the warp marks a non-finite key, and every head gets m = NaN.
 template <typename T, int D, int GMAX, int WARPS = kWarps, int THREADS = kThreads>
 __device__ __forceinline__ void finish_group_state(float (&m)[GMAX], float (&l)[GMAX],
                                                    float (&acc)[GMAX][8], int G,
                                                    unsigned char* smem, long long head0,
                                                    T* __restrict__ out, float* __restrict__ part_o,
                                                    float* __restrict__ part_ml, int num_chunks,
-                                                   int chunk) {
+                                                   int chunk, bool probed = false) {
   constexpr int LPR = Tiling<D>::kLanesPerRow;
   const int tid = threadIdx.x;
   const int lr = tid % LPR, warp = tid / 32, lane = tid % 32;
+  const bool bad_key = probed && __any_sync(0xffffffffu, l[0] != l[0]);
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g)
+    if (g < G && (bad_key || l[g] != l[g])) m[g] = STOCHATTN_NAN;
 
   // Merge the row groups of a warp (partners share lr: offsets are multiples of LPR).
 #pragma unroll
@@ -207,7 +221,7 @@ __device__ __forceinline__ void finish_group_state(float (&m)[GMAX], float (&l)[
         float ao[8];
 #pragma unroll
         for (int e = 0; e < 8; ++e) ao[e] = __shfl_xor_sync(0xffffffffu, acc[g][e], off);
-        const float mn = fmaxf(m[g], mo);
+        const float mn = nan_max(m[g], mo);
         if (mn != STOCHATTN_NEG_INF) {
           const float c1 = exp2f(m[g] - mn), c2 = exp2f(mo - mn);
           l[g] = l[g] * c1 + lo * c2;

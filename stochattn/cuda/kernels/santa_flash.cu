@@ -155,6 +155,9 @@ santa_flash_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __r
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[g][e] = 0.f;
   }
+  // Non-finite input (decode_common.cuh): a head with a bad query gets a NaN accumulator
+  // (and a zeroed query); key_probe below marks L[0] when a key is not finite.
+  poison_values<GMAX, 8>(acc, G, query_faults<GMAX>(qf, G));
 
   int rd = 0, wr = kFlashStages - 1;  // stage buffers read and refilled this iteration
   long long s = 0;
@@ -177,6 +180,7 @@ santa_flash_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __r
       const long long row0 = tok0 + ss * SR;
       float x[RPT * GMAX];
       partial_dots_rows<T, D, GMAX, RPT, RG>(sk, rg, lr, G, qf, x);
+      key_probe<GMAX, RPT>(x, L[0]);
       if constexpr (kReduce == 0) {
 #pragma unroll
         for (int i = 0; i < RPT * GMAX; ++i) x[i] = row_group_sum<LPR>(x[i]);
@@ -214,12 +218,14 @@ santa_flash_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __r
   cp_async_wait<0>();
   __syncthreads();  // every warp left the loop: the shared memory becomes the merge buffer
 
-  // finish_group_state merges the row groups by summing l: one row group carries the warp's L.
+  // finish_group_state merges the row groups by summing l: one row group carries the warp's L
+  // (a NaN L[0] of another row group, key_probe's mark, reaches it through the vote there).
   float l[GMAX];
 #pragma unroll
   for (int g = 0; g < GMAX; ++g) l[g] = rg == 0 ? L[g] : 0.f;
+  l[0] = L[0] != L[0] ? L[0] : l[0];
   finish_group_state<T, D, GMAX>(M, l, acc, G, smem, head0, out, part_o, part_ml, num_chunks,
-                                 chunk);
+                                 chunk, /*probed=*/true);
   if (counters)
     merge_if_last_chunk<T, D>(counters, (long long)b * Hkv + kvh, G, head0, part_o, part_ml, out,
                               num_chunks);

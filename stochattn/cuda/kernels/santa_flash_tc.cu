@@ -121,12 +121,15 @@ santa_flash_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* 
       tc::tile_logits<T, D, ROWS>(x, sk, qa, lane);
       if (grp < G) {
         float* xr = xs + grp * XS + ss * ROWS + 2 * tig;  // 8-byte aligned: XS, ROWS even
+        // Non-finite input (decode_common.cuh): an infinite logit of a row in the sequence
+        // is stored NaN (inf_to_nan; a -inf would weigh 0), so the head's tile has l_t = NaN:
+        // no draws, a NaN output row (flash_tile.cuh).
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
           const long long r = row0 + 8 * t + 2 * tig;
           *reinterpret_cast<float2*>(xr + 8 * t) =
-              make_float2(r < end ? x[t][0] * scale : STOCHATTN_NEG_INF,
-                          r + 1 < end ? x[t][1] * scale : STOCHATTN_NEG_INF);
+              make_float2(r < end ? inf_to_nan(x[t][0] * scale) : STOCHATTN_NEG_INF,
+                          r + 1 < end ? inf_to_nan(x[t][1] * scale) : STOCHATTN_NEG_INF);
         }
       }
     }

@@ -34,6 +34,10 @@
 //       (T_m Z - C_{t-1}) / exp(m_t - m*), or the last positive-weight row if none does.
 //    e. Gather-and-add: out = (1/S) sum_m v[J_m] in fp32, in a fixed order
 //       (deterministic); tiles without points read no V.
+// Non-finite input (decode_common.cuh): pass 1 stashes a NaN for a non-finite logit of a
+// row in the sequence (inf_to_nan; santa_prop_logits_tc makes the tile's l_t NaN), the
+// tile maxima keep NaNs (nan_max), so a head that read a NaN or an infinity (in its query
+// or a key) has a NaN Z, and step a writes its row NaN without drawing (indices -1).
 // Rounding: l_t (fp32, a warp tree) and the cumsum of step d (float64, row order) differ
 // in the last bits, and the float64 block scans do not promise a prefix that is
 // non-decreasing to the last bit across thread segments. Either can move only a point
@@ -129,7 +133,8 @@ santa_prop_logits(const void* __restrict__ qv, const T* __restrict__ k,
       for (int j = 0; j < RPT * GMAX; ++j) {
         const int p = j / GMAX, g = j % GMAX;
         const int r = rg + p * RG;
-        if (j % LPR == lr && g < G && row0 + r < end) xout[g * n_pad + row0 + r] = x[j];
+        if (j % LPR == lr && g < G && row0 + r < end)
+          xout[g * n_pad + row0 + r] = inf_to_nan(x[j]);
       }
     } else {
       // Reduce-scatter; each finished logit is written by the first of its owner lanes.
@@ -141,7 +146,7 @@ santa_prop_logits(const void* __restrict__ qv, const T* __restrict__ k,
           const int j = L::index(i, lr);
           const int p = j / GMAX, g = j % GMAX;
           const int r = rg + p * RG;
-          if (g < G && row0 + r < end) xout[g * n_pad + row0 + r] = x[i];
+          if (g < G && row0 + r < end) xout[g * n_pad + row0 + r] = inf_to_nan(x[i]);
         }
       }
     }
@@ -221,6 +226,11 @@ santa_prop_logits_tc(const T* __restrict__ q, const T* __restrict__ k,
 
     float x[NT][2];
     tc::tile_logits<T, D, ROWS>(x, sk, qa, lane);
+    // Non-finite input: 0, or NaN once a logit of head grp is not finite (added to l below;
+    // a -inf would weigh 0). Rows past the end are zeros: 0.
+    float pz = 0.f;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) pz = fmaf(x[t][0], 0.f, fmaf(x[t][1], 0.f, pz));
     const float xm = tc::scale_mask_max<NT>(x, row0, end, tig, scale);
     if (grp < G) {
 #pragma unroll
@@ -238,7 +248,7 @@ santa_prop_logits_tc(const T* __restrict__ q, const T* __restrict__ k,
       l = 0.f;
     }
     const float mn = fmaxf(m, xm);  // finite: a piece that starts a tile has a row < end
-    l *= expf(m - mn);              // exp(-inf) = 0 on a tile's first piece
+    l = fmaf(l, expf(m - mn), pz);  // exp(-inf) = 0 on a tile's first piece; pz: NaN or 0
 #pragma unroll
     for (int t = 0; t < NT; ++t) l += expf(x[t][0] - mn) + expf(x[t][1] - mn);
     m = mn;
@@ -262,8 +272,8 @@ constexpr int kTileChunks = 4;  // 256-logit chunks per warp, all loads issued f
 constexpr int kChunkLogits = 32 * 8;  // a lane reads 8 consecutive logits (two 16-byte loads)
 
 // Max (xor-butterfly) and sum over aligned segments of W lanes (W a power of two <= 32).
-__device__ __forceinline__ float segment_max(float x, int W) {
-  for (int off = W / 2; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
+__device__ __forceinline__ float segment_max(float x, int W) {  // NaN-aware (nan_max)
+  for (int off = W / 2; off > 0; off >>= 1) x = nan_max(x, __shfl_xor_sync(0xffffffffu, x, off));
   return x;
 }
 __device__ __forceinline__ float segment_sum(float x, int W) {
@@ -277,7 +287,8 @@ __device__ __forceinline__ float segment_sum(float x, int W) {
 // an aligned segment of tile_size / 8 lanes, reduced by xor shuffles inside the segment.
 // Logits at or past the sequence length count as -inf; a tile whose logits are all -inf
 // (Double-P's sampled variant stashes -inf for the tokens a head does not sample) gets
-// m = -inf, l = 0. Grid (rows, ceil(n_pad / (kTileWarps * kTileChunks * 256))).
+// m = -inf, l = 0; a tile with a NaN logit gets m = l = NaN (nan_max). Grid (rows,
+// ceil(n_pad / (kTileWarps * kTileChunks * 256))).
 __global__ void __launch_bounds__(kTileThreads)
 santa_prop_tiles(const float* __restrict__ logits, const int* __restrict__ seq_lens,
                  const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices,
@@ -317,7 +328,7 @@ santa_prop_tiles(const float* __restrict__ logits, const int* __restrict__ seq_l
     if (c0 >= len) break;  // uniform over the warp
     float m = STOCHATTN_NEG_INF;
 #pragma unroll
-    for (int e = 0; e < 8; ++e) m = fmaxf(m, xr[c][e]);
+    for (int e = 0; e < 8; ++e) m = nan_max(m, xr[c][e]);
     m = segment_max(m, W);
     const float mm = m == STOCHATTN_NEG_INF ? 0.f : m;  // all -inf: l = 0, not NaN
     float l = 0.f;
@@ -367,8 +378,8 @@ __device__ V block_inclusive_scan(V x, V identity, Op op, V* sm) {
 struct MaxI {
   __device__ int operator()(int a, int b) const { return a > b ? a : b; }
 };
-struct MaxF {
-  __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+struct MaxF {  // keeps NaN (nan_max)
+  __device__ float operator()(float a, float b) const { return nan_max(a, b); }
 };
 
 // Exclusive prefix of one float64 value per thread, in thread order (`sm`: kSampleWarps
@@ -411,6 +422,29 @@ __device__ __forceinline__ void write_empty_part(float* __restrict__ part_o,
   if (threadIdx.x == 0) {
     part_ml[at * 2] = STOCHATTN_NEG_INF;
     part_ml[at * 2 + 1] = 0.f;
+  }
+  if (idx_out)
+    for (int m = threadIdx.x; m < S; m += blockDim.x) idx_out[row * S + m] = -1;
+}
+
+// A row that read a NaN or an infinity (Z or m* not finite; decode_common.cuh): a NaN
+// output row, or a NaN partial (o, max and sum NaN, so exact_decode_merge's row is NaN),
+// and no draws (indices -1). Called by the whole block.
+template <typename T>
+__device__ __forceinline__ void write_nan_row(T* __restrict__ orow, float* __restrict__ part_o,
+                                              float* __restrict__ part_ml, long long row,
+                                              int num_parts, int part, int D, int S,
+                                              long long* __restrict__ idx_out) {
+  const long long at = row * num_parts + part;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    if (part_o)
+      part_o[at * D + d] = STOCHATTN_NAN;
+    else
+      orow[d] = Elem<T>::from_float(STOCHATTN_NAN);
+  }
+  if (part_o && threadIdx.x == 0) {
+    part_ml[at * 2] = STOCHATTN_NAN;
+    part_ml[at * 2 + 1] = STOCHATTN_NAN;
   }
   if (idx_out)
     for (int m = threadIdx.x; m < S; m += blockDim.x) idx_out[row * S + m] = -1;
@@ -473,13 +507,16 @@ santa_prop_sample(const T* __restrict__ v, const int* __restrict__ seq_lens,
 
   // a. m* and the tile prefix C_t in float64; thread tid owns a contiguous segment.
   float mxl = STOCHATTN_NEG_INF;
-  for (int t = tid; t < T_b; t += kSampleThreads) mxl = fmaxf(mxl, tm[t]);
+  for (int t = tid; t < T_b; t += kSampleThreads) mxl = nan_max(mxl, tm[t]);
   mxl = block_inclusive_scan(mxl, STOCHATTN_NEG_INF, MaxF(), sm_f);
   if (tid == kSampleThreads - 1) sm_f[kSampleWarps] = mxl;
   __syncthreads();
   const double mstar = (double)sm_f[kSampleWarps];
-  if (sm_f[kSampleWarps] == STOCHATTN_NEG_INF) {  // every row masked out (only with a partial output): no mass
-    write_empty_part(part_o, part_ml, row, num_parts, part, D, S, idx_out);
+  if (sm_f[kSampleWarps] == STOCHATTN_NEG_INF) {  // every row masked out: no mass
+    if (part_o)  // Double-P's sampled variant: no token of the row is sampled
+      write_empty_part(part_o, part_ml, row, num_parts, part, D, S, idx_out);
+    else  // a row of the sequence has a logit: only non-finite ones give -inf everywhere
+      write_nan_row<T>(orow, part_o, part_ml, row, num_parts, part, D, S, idx_out);
     return;
   }
 
@@ -501,6 +538,10 @@ santa_prop_sample(const T* __restrict__ v, const int* __restrict__ seq_lens,
   __syncthreads();  // also publishes Cr to the block
   const int t_last = max(sm_i[kSampleWarps], 0);  // the max tile has W = l_t >= 1 > 0
   const double Z = Cr[T_b - 1];
+  if (Z != Z) {  // a NaN m_t or l_t: the row read a non-finite logit (uniform over the block)
+    write_nan_row<T>(orow, part_o, part_ml, row, num_parts, part, D, S, idx_out);
+    return;
+  }
 
   // b. Sample points.
   Points P;
