@@ -12,6 +12,9 @@ shifts the mean while the sample variance misses it), and the nominal rate is th
 small (about 11% false failures were measured at alpha = 1e-6 on peaked SANTA rows). Such
 tests must compare only the elements where rare outcomes cannot dominate, chosen from the
 instance and never from the draws: see ``valid_elements`` in tests/test_santa.py.
+
+Calibration: tools/calibrate_stat_tests.py runs each statistical test's own statistic over
+fresh seeds and measures its tail against the nominal levels (docs/testing.md).
 """
 
 from __future__ import annotations

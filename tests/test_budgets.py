@@ -126,14 +126,15 @@ def draw_counts(rng, P, S, sampler, seed):
                              bd.philox_uniform(seed, 0, PURPOSE_VALUE_SAMPLER, rows, H))
 
 
-def coverage(pool, budgets, sampler, eps, reps=REPS, rng_seed=0):
+def coverage(pool, budgets, sampler, eps, reps=REPS, rng_seed=0, seed0=0):
     """Failures F over reps x H pairs, the pair count, mean cost per pair, capped pairs.
 
-    ``budgets(r)`` -> (S (H,), cost (H,), capped (H,)) for call r (seed r).
+    ``budgets(r)`` -> (S (H,), cost (H,), capped (H,)) for call r (seed r); the calls are
+    r = seed0 .. seed0 + reps - 1 (the tests use 0; tools/calibrate_stat_tests.py others).
     """
     rng = np.random.default_rng(rng_seed)
     F = cost = capped = 0
-    for r in range(reps):
+    for r in range(seed0, seed0 + reps):
         S, c, cap = budgets(r)
         counts = draw_counts(rng, pool.P, S, sampler, seed=r).astype(np.float64)
         o_hat = np.einsum("hn,hnd->hd", counts, pool.V) / S[:, None]
@@ -273,8 +274,20 @@ def test_budget_grows_with_attention_spread():
     keys holding 95% of the mass, on 64 heads with logit scales log-uniform in [0.1, 4]
     (flat to peaked), N = 256, D = 32, Gaussian values: Spearman rho > 0, asserted with the
     one-sided bound rho sqrt(n - 1) > z_{1 - 1e-6} (the null of no association would pass
-    it with probability 1e-6). Deterministic given the seeds."""
-    rng = np.random.default_rng(5)
+    it with probability 1e-6). Deterministic given the seeds. False-failure rate over fresh
+    pilot seeds on these heads: below 1e-9 (500 fresh seeds: rho sqrt(63) 5.38 +- 0.09,
+    smallest 5.20, against 4.75; 7 standard deviations). The heads are part of the
+    instance: over fresh head draws the margin is only 1.6 standard deviations (37 of 500
+    draws fail), so data seed 5 must not be changed without re-checking
+    (tools/calibrate_stat_tests.py, check budgets_spread_rho)."""
+    rho, H = spread_rho()
+    assert rho * math.sqrt(H - 1) > NormalDist().inv_cdf(1 - 1e-6), rho
+
+
+def spread_rho(data_seed=5, seed0=0):
+    """test_budget_grows_with_attention_spread's Spearman rho and head count: heads from
+    default_rng(data_seed), pilot seeds seed0 .. seed0 + 7 (the test uses 5 and 0)."""
+    rng = np.random.default_rng(data_seed)
     H = 64
     q = rng.standard_normal((1, H, D)) * np.exp(rng.uniform(np.log(0.1), np.log(4.0), H))[None, :, None]
     k = rng.standard_normal((1, H, N, D))
@@ -282,11 +295,10 @@ def test_budget_grows_with_attention_spread():
     x = logits(q, k, lengths(None, 1, N), 1.0 / math.sqrt(D))
     sq = bd.value_sqnorms(v)
     S = np.mean([bd.choose_budgets(x, sq, v, eps=0.1, delta=0.1, max_budget=MAX_BUDGET,
-                                   rule="clt", pilot=512, seed=r).budget[0] for r in range(8)],
-                axis=0)
+                                   rule="clt", pilot=512, seed=r).budget[0]
+                 for r in range(seed0, seed0 + 8)], axis=0)
     spread = keys_for_mass(q, k, None, 0.95)[0]
-    rho = spearman(S, spread)
-    assert rho * math.sqrt(H - 1) > NormalDist().inv_cdf(1 - 1e-6), rho
+    return spearman(S, spread), H
 
 
 # ---------------------------------------------------------------------------------------

@@ -113,8 +113,19 @@ def test_gaussian_clusters_variance_corrections_beat_paper():
     # for diag-var and pca. Margin asserted: the mean absolute error is at least 0.2
     # nats smaller. Over 2000 (query, cluster) errors whose per-query means have s.e.
     # ~0.02, a fresh seed falls short of a 0.2 margin against a ~0.35 expected gap with
-    # probability < 1e-6 (z > 7); with seed 3 the test is deterministic.
-    rng = np.random.default_rng(3)
+    # probability < 1e-6 (z > 7); with seed 3 the test is deterministic. Measured over 1000
+    # fresh seeds (tools/calibrate_stat_tests.py, cluster_mass_margin): smallest gap 0.38
+    # +- 0.018 nats, minimum 0.33, 9.9 standard deviations above the 0.2 margin; 0 failures.
+    mae = variance_correction_mae()
+    for n in ("diag-var", "pca", "pca-clip"):
+        assert mae[n] + 0.2 < mae["paper"], mae
+    assert mae["sub"] < mae["paper"], mae  # never overshoots; still below truth
+
+
+def variance_correction_mae(seed=3):
+    """The mean absolute log-mass errors of test_gaussian_clusters_variance_corrections_beat_paper
+    per estimator, on the instance of default_rng(seed) (the test uses 3)."""
+    rng = np.random.default_rng(seed)
     C, s, D = 40, 64, 16
     scale = 0.25
     centres = rng.standard_normal((C, D))
@@ -132,10 +143,7 @@ def test_gaussian_clusters_variance_corrections_beat_paper():
         for n in err:
             e = cm.log_mass(n, q, scale=scale, centroids=st.mean, sizes=sizes, stats=st) - lz
             err[n].append(np.abs(e).mean())
-    mae = {n: float(np.mean(e)) for n, e in err.items()}
-    for n in ("diag-var", "pca", "pca-clip"):
-        assert mae[n] + 0.2 < mae["paper"], mae
-    assert mae["sub"] < mae["paper"], mae  # never overshoots; still below truth
+    return {n: float(np.mean(e)) for n, e in err.items()}
 
 
 def test_paper_mode_is_the_default_bit_for_bit():

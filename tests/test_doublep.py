@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from stats import assert_unbiased
 from strategies import decode_inputs
 from test_kmeans import check_index_invariants, check_nearest
+from test_santa import exact_variance
 
 from stochattn.doublep import (DoublePIndex, build_doublep_index, cluster_topk_attention,
                                doublep_attention)
@@ -193,6 +194,45 @@ def clustered_case(seed, B=1, Hkv=1, G=2, N=70, D=4, blobs=6):
     return q, k, v
 
 
+def split_head(q, k, index, b, h, p1, p2):
+    """One head's token sets under the documented rules: the exact tokens (sinks, window,
+    C_exact), C_approx's tokens in ascending position, the scaled logits x (L,), the
+    clusters by descending score and the cut points n_e <= n_p."""
+    G = q.shape[1] // k.shape[1]
+    kvh = h // G
+    scale = 1.0 / math.sqrt(q.shape[2])
+    offsets, token_ids = index.csr()
+    ids, ordered, cs = selection(q, index, b, h, scale)
+    n_p = ids.size if p1 == 1 else int(np.searchsorted(cs, p1 * cs[-1])) + 1
+    n_e = n_p if p2 == 1 else min(int(np.searchsorted(cs, p2 * cs[-1])) + 1, n_p)
+    exact = np.concatenate([base_tokens(index, b), cluster_tokens(index, b, kvh, ordered[:n_e])])
+    approx = np.sort(np.concatenate(  # C_approx's tokens in ascending position
+        [token_ids[b, kvh, offsets[b, kvh, c]:offsets[b, kvh, c + 1]]
+         for c in ordered[n_e:n_p]] + [np.zeros(0, dtype=np.int64)]))
+    x = scale * (k[b, kvh, :int(index.seq_lens[b])] @ q[b, h])
+    return exact, approx, x, ordered, n_e, n_p
+
+
+def sample_variance(q, k, v, index, p1, p2, budget, sampler):
+    """(B, Hq, D): the exact variance of one approx="sample" estimate. The output is
+    (num + Z_A vbar) / (den + Z_A), with vbar the S-point estimate of C_approx's
+    weighted mean (one CDF over its tokens in ascending position), so its variance is
+    (Z_A / (den + Z_A))^2 times test_santa.exact_variance of that CDF."""
+    B, Hq, D = q.shape
+    G = Hq // k.shape[1]
+    var = np.zeros((B, Hq, D))
+    for b in range(B):
+        for h in range(Hq):
+            exact, approx, x, _, _, _ = split_head(q, k, index, b, h, p1, p2)
+            if approx.size:
+                m = x.max()
+                we, wa = np.exp(x[exact] - m), np.exp(x[approx] - m)
+                share = wa.sum() / (we.sum() + wa.sum())
+                var[b, h] = share**2 * exact_variance(wa, v[b, h // G, approx].astype(np.float64),
+                                                      budget, sampler)
+    return var
+
+
 def sample_estimate(q, k, v, index, p1, p2, budget, sampler, seed, plant=None, reads=None):
     """Independent re-implementation of approx="sample" from the documented rules.
 
@@ -204,25 +244,15 @@ def sample_estimate(q, k, v, index, p1, p2, budget, sampler, seed, plant=None, r
     B, Hq, D = q.shape
     G = Hq // k.shape[1]
     scale = 1.0 / math.sqrt(D)
-    offsets, token_ids = index.csr()
     pts = sample_points(sampler, budget, seed=seed, offset=0, row=np.arange(B * Hq).reshape(B, Hq),
                         purpose=PURPOSE_CLUSTER_SAMPLER)
     out = np.zeros((B, Hq, D))
     k_read = np.zeros((B, Hq, k.shape[2]), dtype=bool)
     v_read = np.zeros((B, Hq, k.shape[2]), dtype=bool)
     for b in range(B):
-        L = int(index.seq_lens[b])
         for h in range(Hq):
             kvh = h // G
-            ids, ordered, cs = selection(q, index, b, h, scale)
-            n_p = ids.size if p1 == 1 else int(np.searchsorted(cs, p1 * cs[-1])) + 1
-            n_e = n_p if p2 == 1 else min(int(np.searchsorted(cs, p2 * cs[-1])) + 1, n_p)
-            exact = np.concatenate([base_tokens(index, b),
-                                    cluster_tokens(index, b, kvh, ordered[:n_e])])
-            approx = np.sort(np.concatenate(  # C_approx's tokens in ascending position
-                [token_ids[b, kvh, offsets[b, kvh, c]:offsets[b, kvh, c + 1]]
-                 for c in ordered[n_e:n_p]] + [np.zeros(0, dtype=np.int64)]))
-            x = scale * (k[b, kvh, :L] @ q[b, h])
+            exact, approx, x, ordered, n_e, n_p = split_head(q, k, index, b, h, p1, p2)
             m = x.max()
             we, wa = np.exp(x[exact] - m), np.exp(x[approx] - m)
             num, den = we @ v[b, kvh, exact], we.sum()
@@ -253,31 +283,49 @@ def sample_setup(data_seed, B=1):
     return q, k, v, index, truth, d
 
 
-@given(st.integers(0, 2**32 - 1), st.integers(0, 2**40))
+# The examples of test_sample_variant_is_unbiased (also drawn by tools/calibrate_stat_tests.py).
+SAMPLE_EXAMPLES = dict(data_seed=st.integers(0, 2**32 - 1), seed0=st.integers(0, 2**40))
+
+
+@given(**SAMPLE_EXAMPLES)
 @settings(max_examples=4)
 def test_sample_variant_is_unbiased(data_seed, seed0):
     """Mean over 300 seeds of approx="sample" equals the p2 = 1 output (attention over
     sinks + window + every token of C_p), for each sampler.
 
     False-failure rate: 1e-6 per sampler and example (assert_unbiased, Bonferroni over
-    the B * Hq * D elements), so at most 1.2e-5 for the 3 samplers x 4 examples.
+    the B * Hq * D elements), so at most 1.2e-5 for the 3 samplers x 4 examples. The
+    standard error uses max(sample, exact) variance (sample_variance): with the sample
+    variance alone the statistic's tail was too heavy, growing toward small levels
+    (1500 calls, tools/calibrate_stat_tests.py: 1.5% of calls at p <= 0.01, 0.27% at
+    p <= 0.001, upper tail 4x the lower; docs/testing.md).
     """
     q, k, v, index, truth, d = sample_setup(data_seed)
     approx_heads = d.clusters_exact < d.clusters_selected
     if not approx_heads.any():  # C_approx empty everywhere: nothing random to test
         return
     for sampler in ("systematic", "stratified", "iid"):
-        est = np.stack([doublep_attention(q, k, v, index=index, p1=P1, p2=P2, approx="sample",
-                                          budget=BUDGET, sampler=sampler, seed=seed0 + r)
-                        for r in range(SEEDS)])
+        est = sample_variant_estimates(q, k, v, index, sampler, seed0)
         assert est[:, approx_heads].std(axis=0).max() > 0  # the estimator really is random
-        assert_unbiased(est, truth, alpha=1e-6, what=f"doublep sample ({sampler})")
+        var = sample_variance(q, k, v, index, P1, P2, BUDGET, sampler)
+        assert_unbiased(est, truth, alpha=1e-6, what=f"doublep sample ({sampler})",
+                        variance=var)
+
+
+def sample_variant_estimates(q, k, v, index, sampler, seed0):
+    """test_sample_variant_is_unbiased's SEEDS estimates, seeds seed0 .. seed0 + SEEDS - 1."""
+    return np.stack([doublep_attention(q, k, v, index=index, p1=P1, p2=P2, approx="sample",
+                                       budget=BUDGET, sampler=sampler, seed=seed0 + r)
+                     for r in range(SEEDS)])
 
 
 def test_sample_matches_reimplementation_and_planted_bias_is_detected():
     """Fixed data and seeds 0..299 (deterministic, so this cannot flake): the library
     equals an independent implementation of the documented rules, that implementation
-    passes assert_unbiased, and two planted biases fail it."""
+    passes assert_unbiased, and two planted biases fail it. For fresh seeds the
+    unbiasedness check's rate is its nominal 1e-6 (100 fresh seed ranges: 1 at p <= 0.01,
+    largest max|z| 0.68 of the bound) and both plants are caught 100 times in 100
+    (tools/calibrate_stat_tests.py, check doublep_planted)."""
     q, k, v, index, truth, d = sample_setup(12345, B=2)
     assert np.all(d.clusters_exact < d.clusters_selected)  # C_approx non-empty in every head
     for r in range(5):
@@ -291,13 +339,22 @@ def test_sample_matches_reimplementation_and_planted_bias_is_detected():
         for name, rows in (("k", diag.k_rows_read), ("v", diag.v_rows_read)):
             union = reads[name].reshape(2, Hkv, -1, k.shape[2]).any(axis=2).sum(axis=-1)
             np.testing.assert_array_equal(rows, union)
-    good = np.stack([sample_estimate(q, k, v, index, P1, P2, BUDGET, "iid", r) for r in range(SEEDS)])
+    good = reimplementation_estimates(q, k, v, index)
     assert_unbiased(good, truth, alpha=1e-6)
-    for plant in ("uniform", "centroid_z"):
-        bad = np.stack([sample_estimate(q, k, v, index, P1, P2, BUDGET, "iid", r, plant)
-                        for r in range(SEEDS)])
+    for plant in PLANTS:
+        bad = reimplementation_estimates(q, k, v, index, plant=plant)
         with pytest.raises(AssertionError, match="looks biased"):
             assert_unbiased(bad, truth, alpha=1e-6, what=plant)
+
+
+PLANTS = ("uniform", "centroid_z")
+
+
+def reimplementation_estimates(q, k, v, index, plant=None, seed0=0):
+    """SEEDS estimates of sample_estimate (iid), seeds seed0 .. seed0 + SEEDS - 1 (the test
+    of the planted biases uses 0 on sample_setup(12345, B=2))."""
+    return np.stack([sample_estimate(q, k, v, index, P1, P2, BUDGET, "iid", r, plant)
+                     for r in range(seed0, seed0 + SEEDS)])
 
 
 def test_sample_reproducible_and_seeded():
@@ -332,12 +389,21 @@ def test_sample_draws_follow_position_order(sampler):
 
 def test_centroid_variant_is_biased_sample_converges():
     """With many points the sampled variant lands closer to the p2 = 1 output than the
-    centroid variant (fixed data and seed: a deterministic check of the method's aim)."""
+    centroid variant (fixed data and seed: a deterministic check of the method's aim).
+    False-failure rate for a fresh seed: negligible (300 fresh seeds: error ratio 0.0022
+    +- 0.0009, largest 0.0056, against the bound 0.1; tools/calibrate_stat_tests.py)."""
+    smp_err, cen_err = sampled_and_centroid_errors()
+    assert smp_err < 0.1 * cen_err
+
+
+def sampled_and_centroid_errors(seed=0):
+    """test_centroid_variant_is_biased_sample_converges' max errors of the sampled variant
+    (4096 stratified points, ``seed``; the test uses 0) and of the centroid variant."""
     q, k, v, index, truth, _ = sample_setup(99)
     cen = doublep_attention(q, k, v, index=index, p1=P1, p2=P2)
     smp = doublep_attention(q, k, v, index=index, p1=P1, p2=P2, approx="sample", budget=4096,
-                            sampler="stratified", seed=0)
-    assert np.abs(smp - truth).max() < 0.1 * np.abs(cen - truth).max()
+                            sampler="stratified", seed=seed)
+    return np.abs(smp - truth).max(), np.abs(cen - truth).max()
 
 
 # ---- append --------------------------------------------------------------------------

@@ -261,10 +261,15 @@ def test_uniforms_are_uniform_chi_square(seed, offset, purpose):
     """2**16 uniforms (256 rows x 256 draws) in 64 equal bins. The 2**23 possible values
     split exactly 2**17 per bin, so equal bin probabilities are exact. Chi-square on the
     counts, df 63; false-failure rate ALPHA per example, 1e-5 over the 10 examples."""
-    u = uniforms(seed, offset, purpose, np.arange(256)[:, None], 0, np.arange(256)[None, :])
-    counts = np.bincount((u * 64).astype(np.int64).ravel(), minlength=64)
+    counts = uniform_bin_counts(seed, offset, purpose)
     assert counts.size == 64
     assert chi2_uniform_pvalue(counts) > ALPHA
+
+
+def uniform_bin_counts(seed, offset, purpose):
+    """The 64 bin counts of test_uniforms_are_uniform_chi_square."""
+    u = uniforms(seed, offset, purpose, np.arange(256)[:, None], 0, np.arange(256)[None, :])
+    return np.bincount((u * 64).astype(np.int64).ravel(), minlength=64)
 
 
 @settings(max_examples=10)
@@ -272,9 +277,14 @@ def test_uniforms_are_uniform_chi_square(seed, offset, purpose):
 def test_consecutive_draws_are_independent_chi_square(seed, offset):
     """Pairs (u_2i, u_2i+1) of one stream in an 8 x 8 grid: 2**15 pairs, df 63;
     false-failure rate ALPHA per example, 1e-5 over the 10 examples."""
+    assert chi2_uniform_pvalue(pair_cell_counts(seed, offset)) > ALPHA
+
+
+def pair_cell_counts(seed, offset):
+    """The 8 x 8 cell counts of test_consecutive_draws_are_independent_chi_square."""
     u = uniforms(seed, offset, PURPOSE_VALUE_SAMPLER, 0, 0, np.arange(2**16))
     cells = (u[0::2] * 8).astype(np.int64) * 8 + (u[1::2] * 8).astype(np.int64)
-    assert chi2_uniform_pvalue(np.bincount(cells, minlength=64)) > ALPHA
+    return np.bincount(cells, minlength=64)
 
 
 @given(seeds, offsets, purposes, st.integers(0, 2**28 - 2), st.integers(0, 2**32 - 2))
@@ -342,9 +352,13 @@ def test_iid_points_are_marginally_uniform_chi_square(seed, offset, S):
     points of 512 rows pooled are 512 S iid uniforms (up to the 2**-24 grid of the draws,
     a bin-probability error below 1e-6). Chi-square on counts in 32 bins, df 31;
     false-failure rate ALPHA per example, 5e-6 over the 5 examples."""
+    assert chi2_uniform_pvalue(iid_point_counts(seed, offset, S)) > ALPHA
+
+
+def iid_point_counts(seed, offset, S):
+    """The 32 bin counts of test_iid_points_are_marginally_uniform_chi_square."""
     pts = sample_points("iid", S, seed=seed, offset=offset, row=np.arange(512))
-    counts = np.bincount((pts * 32).astype(np.int64).ravel(), minlength=32)
-    assert chi2_uniform_pvalue(counts) > ALPHA
+    return np.bincount((pts * 32).astype(np.int64).ravel(), minlength=32)
 
 
 def test_unknown_sampler_is_refused():

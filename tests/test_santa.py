@@ -160,11 +160,29 @@ def element_variance(q, k, v, seq_lens, *, budget, sampler, schedule, tile_size)
 # 1. Unbiasedness of every sampler x schedule.
 # ---------------------------------------------------------------------------------------
 
+# The examples of test_unbiased (also drawn by tools/calibrate_stat_tests.py).
+UNBIASED_EXAMPLES = dict(inputs=decode_inputs(max_tokens=150), budget=st.integers(1, 32),
+                         tile_size=TILES, seed=seeds)
+
+
+def unbiased_case(sampler, schedule, inputs, budget, tile_size, seed):
+    """test_unbiased's statistic inputs on the valid elements: (estimates (R, m), truth
+    (m,), exact variance (m,)), or None when no element is valid (the test's assume)."""
+    q, k, v, seq_lens = inputs
+    kw = dict(budget=budget, sampler=sampler, schedule=schedule, tile_size=tile_size)
+    ok = valid_elements(q, k, v, seq_lens, R=R, **kw)
+    if not ok.any():
+        return None
+    est = estimates(q, k, v, seq_lens, R=R, seed=seed, **kw)
+    truth = exact_attention(q, k, v, seq_lens, scale_of(q))
+    var = element_variance(q, k, v, seq_lens, **kw)
+    return est[:, ok], truth[ok], var[ok]
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("sampler", SAMPLERS)
 @settings(max_examples=6)
-@given(inputs=decode_inputs(max_tokens=150), budget=st.integers(1, 32), tile_size=TILES,
-       seed=seeds)
+@given(**UNBIASED_EXAMPLES)
 def test_unbiased(sampler, schedule, inputs, budget, tile_size, seed):
     """mean over R seeds == exact attention, on the elements where the test is valid
     (valid_elements: where rarely-hit tokens could dominate the mean, the normal
@@ -177,15 +195,10 @@ def test_unbiased(sampler, schedule, inputs, budget, tile_size, seed):
     False-failure rate: ALPHA per example (Bonferroni over the elements compared), so
     at most 9 x 6 x ALPHA for the whole parametrised test.
     """
-    q, k, v, seq_lens = inputs
-    kw = dict(budget=budget, sampler=sampler, schedule=schedule, tile_size=tile_size)
-    ok = valid_elements(q, k, v, seq_lens, R=R, **kw)
-    assume(ok.any())
-    est = estimates(q, k, v, seq_lens, R=R, seed=seed, **kw)
-    truth = exact_attention(q, k, v, seq_lens, scale_of(q))
-    var = element_variance(q, k, v, seq_lens, **kw)
-    assert_unbiased(est[:, ok], truth[ok], alpha=ALPHA, what=f"{sampler}/{schedule}",
-                    variance=var[ok])
+    case = unbiased_case(sampler, schedule, inputs, budget, tile_size, seed)
+    assume(case is not None)
+    est, truth, var = case
+    assert_unbiased(est, truth, alpha=ALPHA, what=f"{sampler}/{schedule}", variance=var)
 
 
 # ---------------------------------------------------------------------------------------
@@ -256,14 +269,24 @@ def test_paper_prop_bias_is_detected_and_ours_is_not():
     zstar = z_bound(1e-6, 1)
     assert bias / se >= 15
     assert NormalDist().cdf(bias / se - zstar) > 1 - 1e-12
-    paper = np.stack([paper_prop(q, k, v, budget=S, tile_size=ts, seed=r) for r in range(R_)])
-    with pytest.raises(AssertionError, match="looks biased"):
-        assert_unbiased(paper[:, None, None, :], truth[None, None, :], alpha=1e-6)
     assert valid_elements(q, k, v, None, budget=S, sampler="systematic", schedule="prop",
                              tile_size=ts, R=R_).all()
-    ours = estimates(q, k, v, None, R=R_, seed=0, budget=S, sampler="systematic",
-                     schedule="prop", tile_size=ts)
+    paper, ours = paper_prop_case()
+    with pytest.raises(AssertionError, match="looks biased"):
+        assert_unbiased(paper, truth[None, None, :], alpha=1e-6)
     assert_unbiased(ours, truth[None, None, :], alpha=1e-6, what="prop")
+
+
+def paper_prop_case(seed0=0):
+    """test_paper_prop_bias_is_detected_and_ours_is_not's 2000 estimates (2000, 1, 1, 1) of
+    the paper's prop and of ours, seeds seed0 .. seed0 + 1999 (the test uses 0)."""
+    q, k, v = planted_instance()
+    S, ts, R_ = 8, 16, 2000
+    paper = np.stack([paper_prop(q, k, v, budget=S, tile_size=ts, seed=r)
+                      for r in range(seed0, seed0 + R_)])
+    ours = estimates(q, k, v, None, R=R_, seed=seed0, budget=S, sampler="systematic",
+                     schedule="prop", tile_size=ts)
+    return paper[:, None, None, :], ours
 
 
 # ---------------------------------------------------------------------------------------
@@ -385,6 +408,25 @@ def total_variance(est):
     return Y.mean(axis=0), Y.std(axis=0, ddof=1) / math.sqrt(R_)
 
 
+def variance_ordering_case(seeds=(10**6, 2 * 10**6, 3 * 10**6)):
+    """test_variance_ordering_empirical's exact row variances and the empirical ones with
+    their standard errors, {sampler: (2, 6)}; sampler i uses seeds seeds[i] .. + 999."""
+    S, R_ = 16, 1000
+    batch = [llm_like(s) for s in range(3)]
+    q, k, v = (np.concatenate(parts) for parts in zip(*batch))
+    w, lens = weights(q, k, None)
+    G = q.shape[1] // k.shape[1]
+    exact = {s: np.array([[exact_variance(w[b, h], v[b, h // G], S, s).sum()
+                           for h in range(q.shape[1])] for b in range(q.shape[0])])
+             for s in SAMPLERS}
+    var, se = {}, {}
+    for i, s in enumerate(SAMPLERS):
+        est = estimates(q, k, v, None, R=R_, seed=seeds[i], budget=S, sampler=s,
+                        schedule="prop")
+        var[s], se[s] = total_variance(est)
+    return exact, var, se
+
+
 def test_variance_ordering_empirical():
     """Empirical variances (R = 1000 seeds per sampler, disjoint seed ranges so that the
     samplers are independent) on the three instances llm_like(0..2) as one batch, S = 16,
@@ -400,27 +442,30 @@ def test_variance_ordering_empirical():
     False-failure rate: 1e-4 in total (Bonferroni over 12 rows x 5 comparisons), under
     the normal approximation of the variance estimates.
     """
-    S, R_ = 16, 1000
-    batch = [llm_like(s) for s in range(3)]
-    q, k, v = (np.concatenate(parts) for parts in zip(*batch))
-    w, lens = weights(q, k, None)
-    G = q.shape[1] // k.shape[1]
-    exact = {s: np.array([[exact_variance(w[b, h], v[b, h // G], S, s).sum()
-                           for h in range(q.shape[1])] for b in range(q.shape[0])])
-             for s in SAMPLERS}
+    exact, var, se = variance_ordering_case()
     assert (exact["stratified"] <= exact["iid"]).all()
     assert (exact["systematic"] <= 0.6 * exact["iid"]).all()
     zstar = z_bound(1e-4, 12 * 5)
-    var, se = {}, {}
-    for i, s in enumerate(SAMPLERS):
-        est = estimates(q, k, v, None, R=R_, seed=10**6 * (i + 1), budget=S, sampler=s,
-                        schedule="prop")
-        var[s], se[s] = total_variance(est)
+    for s in SAMPLERS:
         z = np.abs(var[s] - exact[s]) / se[s]
         assert z.max() <= zstar, f"{s}: empirical variance off its exact value, z = {z.max():.2f}"
     for s in ("stratified", "systematic"):
         margin = zstar * np.sqrt(se[s] ** 2 + se["iid"] ** 2)
         assert (var[s] <= var["iid"] + margin).all(), f"{s} variance above iid"
+
+
+def systematic_vs_iid_case(seeds=(0, 10**6)):
+    """test_systematic_can_exceed_iid's empirical variances and standard errors of iid and
+    systematic on the counterexample (2000 seeds each, from seeds[0] and seeds[1])."""
+    q = np.zeros((1, 1, 1))  # all logits 0: uniform attention
+    k = np.zeros((1, 1, 4, 1))
+    v = np.array([1.0, 0.0, 1.0, 0.0]).reshape(1, 1, 4, 1)
+    R_ = 2000
+    var, se = {}, {}
+    for i, s in enumerate(("iid", "systematic")):
+        est = estimates(q, k, v, None, R=R_, seed=seeds[i], budget=2, sampler=s, schedule="prop")
+        var[s], se[s] = total_variance(est)
+    return var, se
 
 
 def test_systematic_can_exceed_iid():
@@ -436,14 +481,7 @@ def test_systematic_can_exceed_iid():
     assert exact_variance(w, V, 2, "systematic")[0] == pytest.approx(0.25)
     assert exact_variance(w, V, 2, "iid")[0] == pytest.approx(0.125)
     assert exact_variance(w, V, 2, "stratified")[0] == pytest.approx(0.125)
-    q = np.zeros((1, 1, 1))  # all logits 0: uniform attention
-    k = np.zeros((1, 1, 4, 1))
-    v = V.reshape(1, 1, 4, 1)
-    R_ = 2000
-    var, se = {}, {}
-    for i, s in enumerate(("iid", "systematic")):
-        est = estimates(q, k, v, None, R=R_, seed=10**6 * i, budget=2, sampler=s, schedule="prop")
-        var[s], se[s] = total_variance(est)
+    var, se = systematic_vs_iid_case()
     margin = z_bound(2e-6, 1) * math.sqrt(se["iid"][0, 0] ** 2 + se["systematic"][0, 0] ** 2)
     assert var["systematic"][0, 0] > var["iid"][0, 0] + margin
 
