@@ -249,3 +249,29 @@ def test_pdl_launch_error_names_the_driver_error(monkeypatch):
     p = Packed(_DriverLauncher(), (1,), (32,), (np.uint64(0),), variable=(0,), pdl=True)
     with pytest.raises(RuntimeError, match="cuLaunchKernelEx .* failed: CUresult 1"):
         p(_Stream(), 3)
+
+
+class _FakeRaw:
+    """A RawKernel's shared-memory attributes (the driver keeps one per function)."""
+
+    shared_size_bytes = 1024
+    kernel = None
+
+    def __init__(self):
+        self.max_dynamic_shared_size_bytes = 48 * 1024 - 1024
+
+
+def test_launchers_of_one_kernel_only_ever_raise_its_shared_memory_limit():
+    from stochattn.cuda.runtime.launch import Launcher
+
+    raw = _FakeRaw()
+    Launcher(raw, 100_000)
+    assert raw.max_dynamic_shared_size_bytes == 100_000
+    # A later plan of the same kernel that needs less must not lower the limit under the
+    # first plan's launches (CUDA_ERROR_INVALID_VALUE on its next call).
+    Launcher(raw, 60_000)
+    assert raw.max_dynamic_shared_size_bytes == 100_000
+    Launcher(raw, 8_000)  # under the default: the attribute is not touched
+    assert raw.max_dynamic_shared_size_bytes == 100_000
+    Launcher(raw, 150_000)
+    assert raw.max_dynamic_shared_size_bytes == 150_000

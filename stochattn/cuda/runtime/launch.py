@@ -23,6 +23,7 @@ __all__ = ["get_kernel", "prefetch", "Launcher", "Packed", "ctas_per_sm", "num_s
 
 _lock = threading.Lock()
 _modules: dict = {}  # (family, name, device id, options, dtypes) -> cupy.RawModule
+_smem_lock = threading.Lock()
 _occupancy: dict = {}  # (family, name, device id, threads, options, dtypes, smem) -> CTAs per SM
 
 
@@ -102,8 +103,13 @@ class Launcher:
         self.raw = raw
         self.smem = int(smem)  # dynamic shared memory bytes per launch
         # Opt in where dynamic plus static shared memory exceeds the default 48 KB limit.
+        # The attribute belongs to the function, which every launcher of this kernel shares:
+        # only ever raise it, or a smaller plan would break a larger one's launches
+        # (CUDA_ERROR_INVALID_VALUE).
         if self.smem and self.smem + raw.shared_size_bytes > 48 * 1024:
-            raw.max_dynamic_shared_size_bytes = self.smem
+            with _smem_lock:
+                if raw.max_dynamic_shared_size_bytes < self.smem:
+                    raw.max_dynamic_shared_size_bytes = self.smem
         try:
             self.fn = raw.kernel  # cupy.cuda.Function for the current device
         except Exception:  # noqa: BLE001 - any API difference: use the public call
