@@ -42,9 +42,10 @@ def _torch():
     return torch
 
 
-def to_paged(k, v, page_size, layout, seed):
-    """A GPU PagedKV holding k, v (B, Hkv, N, D) torch tensors, pages shuffled: every
-    sequence full (N tokens), ``max_tokens`` N."""
+def to_paged(k, v, page_size, layout, seed, order="shuffled"):
+    """A GPU PagedKV holding k, v (B, Hkv, N, D) torch tensors, pages in a random physical
+    order (``order="sequential"``: in token order, for diagnosis): every sequence full (N
+    tokens), ``max_tokens`` N."""
     torch = _torch()
     from stochattn.paged import paged_kv
 
@@ -54,6 +55,8 @@ def to_paged(k, v, page_size, layout, seed):
     total = B * n_pages
     g = torch.Generator(device="cuda").manual_seed(seed)
     perm = torch.randperm(total, device="cuda", generator=g)  # logical page i -> physical
+    if order == "sequential":
+        perm = torch.arange(total, device="cuda")
     pool = torch.empty((total, 2, P, H, D), dtype=k.dtype, device="cuda")
     pad = n_pages * P - N
     for i, x in enumerate((k, v)):
@@ -111,6 +114,9 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="batch 1 and 8 at 32k only")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--layout", choices=("NHD", "HND"), default="NHD")
+    ap.add_argument("--order", choices=("shuffled", "sequential"), default="shuffled",
+                    help="physical page order (sequential: to separate the page lookup's cost "
+                         "from the scattered reads)")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--no-doublep", action="store_true", help="skip Double-P (its index build)")
@@ -123,7 +129,8 @@ def main(argv=None):
         (1, 32768), (8, 32768), (32, 32768), (1, 131072), (8, 131072), (32, 131072)]
     meta = dict(date=time.strftime("%Y-%m-%d"), card=torch.cuda.get_device_name(),
                 torch=torch.__version__, python=platform.python_version(),
-                page_size=args.page_size, layout=args.layout, shape=dict(Hq=HQ, Hkv=HKV, D=D),
+                page_size=args.page_size, layout=args.layout, order=args.order,
+                shape=dict(Hq=HQ, Hkv=HKV, D=D),
                 dtype="float16", inputs="calibrated")
     rows = []
     for B, N in cases:
@@ -134,7 +141,7 @@ def main(argv=None):
             continue
         q, k, v, source = make_inputs(B, N, torch.float16)
         meta["source"] = source
-        cache = to_paged(k, v, args.page_size, args.layout, seed=B * N)
+        cache = to_paged(k, v, args.page_size, args.layout, seed=B * N, order=args.order)
         notes = {}
         t = Timing.for_floor(B * HKV * N * D * 4 / 3e12 * 1e6)
         t.calls = args.calls

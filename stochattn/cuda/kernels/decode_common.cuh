@@ -196,11 +196,52 @@ __device__ __forceinline__ void load_tile_async(unsigned char* stage, const unsi
       stage, base, row0, end, threadIdx.x / Tl::kLanesPerRow, threadIdx.x % Tl::kLanesPerRow, need);
 }
 
+// The byte offsets (from the stream's base) of this thread's RPT rows row0 + rg + p * RG of
+// a paged stream (kv_rows.cuh), rows at or past `end` 0 (they read nothing, not even their
+// page number: they may lie past the sequence's pages). Each distinct row of the warp is
+// looked up once: lane j finds row j of the warp's rows and shuffles it to the D / 8 lanes
+// that copy pieces of it (one page-number load and division per lane instead of one per
+// piece). Every lane of the warp calls it (all call sites are warp-uniform), with
+// rg = (the warp's first row group) + lane / (D / 8).
+template <int D, int RPT, int RG>
+__device__ __forceinline__ void paged_row_offsets(long long (&off)[RPT], const KvRows<D>& rows,
+                                                  long long row0, long long end, int rg) {
+  constexpr int LPR = D / 8;    // lanes per row
+  constexpr int GPW = 32 / LPR;  // row groups per warp
+  if constexpr (GPW * RPT <= 32) {
+    const int lane = threadIdx.x & 31;
+    const int rgl = lane / LPR;
+    const long long mine = row0 + (rg - rgl) + lane % GPW + (long long)(lane / GPW) * RG;
+    const long long o = lane < GPW * RPT && mine < end ? rows.offset(mine) : 0;
+#pragma unroll
+    for (int p = 0; p < RPT; ++p) off[p] = __shfl_sync(0xffffffffu, o, p * GPW + rgl);
+  } else {
+#pragma unroll
+    for (int p = 0; p < RPT; ++p) {
+      const long long n = row0 + rg + (long long)p * RG;
+      off[p] = n < end ? rows.offset(n) : 0;
+    }
+  }
+}
+
+// This thread's cp.async copies of its RPT row pieces at `base + off[p]` (see above).
+template <int D, int RPT, int RG>
+__device__ __forceinline__ void copy_rows_async(unsigned char* stage, const unsigned char* base,
+                                                const long long (&off)[RPT], long long row0,
+                                                long long end, int rg, int lr, bool need) {
+  constexpr int kRowBytes = D * 2;
+  unsigned char* dst0 = stage + rg * kRowBytes + lr * 16;
+#pragma unroll
+  for (int p = 0; p < RPT; ++p) {
+    const bool valid = need && row0 + rg + (long long)p * RG < end;
+    const unsigned char* src = valid ? base + off[p] + lr * 16 : base;
+    cp_async16(dst0 + p * RG * kRowBytes, src, valid);
+  }
+}
+
 // The same pieces of the rows of one stream that may be paged (kv_rows.cuh): a contiguous
 // stream takes the base-pointer path above (the same addresses and instructions, behind
-// one uniform branch); a paged one finds each valid row through the page table (rows at or
-// past `end` read nothing, not even their page number: they may lie past the sequence's
-// pages).
+// one uniform branch); a paged one finds its rows through paged_row_offsets.
 template <int D, int RPT, int RG>
 __device__ __forceinline__ void load_rows_async(unsigned char* stage, const KvRows<D>& rows,
                                                 long long row0, long long end, int rg, int lr,
@@ -209,16 +250,9 @@ __device__ __forceinline__ void load_rows_async(unsigned char* stage, const KvRo
     load_rows_async<D, RPT, RG>(stage, rows.base, row0, end, rg, lr, need);
     return;
   }
-  constexpr int kRowBytes = D * 2;
-  const long long first = row0 + rg;
-  unsigned char* dst0 = stage + rg * kRowBytes + lr * 16;
-#pragma unroll
-  for (int p = 0; p < RPT; ++p) {
-    const long long n = first + p * RG;
-    const bool valid = need && n < end;
-    const unsigned char* src = valid ? rows.row(n) + lr * 16 : rows.base;
-    cp_async16(dst0 + p * RG * kRowBytes, src, valid);
-  }
+  long long off[RPT];
+  paged_row_offsets<D, RPT, RG>(off, rows, row0, end, rg);
+  copy_rows_async<D, RPT, RG>(stage, rows.base, off, row0, end, rg, lr, need);
 }
 
 template <int D>
@@ -227,6 +261,26 @@ __device__ __forceinline__ void load_tile_async(unsigned char* stage, const KvRo
   using Tl = Tiling<D>;
   load_rows_async<D, Tl::kRowsPerThread, Tl::kRowGroups>(
       stage, rows, row0, end, threadIdx.x / Tl::kLanesPerRow, threadIdx.x % Tl::kLanesPerRow, need);
+}
+
+// The K and V stages of tile [row0, row0 + kTileRows) of one stream pair: K and V share
+// their page table and strides (the host checks it), so a paged pair looks its rows up once.
+template <int D>
+__device__ __forceinline__ void load_kv_tile_async(unsigned char* kstage, unsigned char* vstage,
+                                                   const KvRows<D>& krows, const KvRows<D>& vrows,
+                                                   long long row0, long long end) {
+  using Tl = Tiling<D>;
+  constexpr int RPT = Tl::kRowsPerThread, RG = Tl::kRowGroups;
+  const int rg = threadIdx.x / Tl::kLanesPerRow, lr = threadIdx.x % Tl::kLanesPerRow;
+  if (!krows.pages) {
+    load_rows_async<D, RPT, RG>(kstage, krows.base, row0, end, rg, lr);
+    load_rows_async<D, RPT, RG>(vstage, vrows.base, row0, end, rg, lr);
+    return;
+  }
+  long long off[RPT];
+  paged_row_offsets<D, RPT, RG>(off, krows, row0, end, rg);
+  copy_rows_async<D, RPT, RG>(kstage, krows.base, off, row0, end, rg, lr, true);
+  copy_rows_async<D, RPT, RG>(vstage, vrows.base, off, row0, end, rg, lr, true);
 }
 
 // The stage buffers live in dynamic shared memory (sizes above 48 KB need the opt-in the

@@ -81,8 +81,7 @@ exact_decode_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < ntiles) {
       unsigned char* st = smem + s * 2 * kStageBytes;
-      load_tile_async<D>(st, krows, start + (long long)s * ROWS, end);
-      load_tile_async<D>(st + kStageBytes, vrows, start + (long long)s * ROWS, end);
+      load_kv_tile_async<D>(st, st + kStageBytes, krows, vrows, start + (long long)s * ROWS, end);
     }
     cp_async_commit();
   }
@@ -111,8 +110,7 @@ exact_decode_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __
       const long long nx = it + kStages - 1;
       if (nx < ntiles) {
         unsigned char* st = smem + wr * 2 * kStageBytes;
-        load_tile_async<D>(st, krows, start + nx * ROWS, end);
-        load_tile_async<D>(st + kStageBytes, vrows, start + nx * ROWS, end);
+        load_kv_tile_async<D>(st, st + kStageBytes, krows, vrows, start + nx * ROWS, end);
       }
       cp_async_commit();
     }

@@ -61,15 +61,21 @@ struct KvRows {
   long long page_bytes;       // bytes from one page to the next
   int row_bytes;              // bytes from one token to the next inside a page
   int page_size;
+  int page_shift;             // log2(page_size) for a power of two, else -1
+
+  // Byte offset of row n from `base`. Paged: one page-number load; rows number fewer than
+  // 2**31 (the host checks it), so the division is 32-bit, and a shift for power-of-two
+  // page sizes (every size FlashInfer's engines use).
+  __device__ __forceinline__ long long offset(long long n) const {
+    if (!pages) return n * (D * 2);
+    const int r = (int)n;
+    const int p = page_shift >= 0 ? r >> page_shift : r / page_size;
+    const int slot = r - p * page_size;
+    return (long long)__ldg(pages + p) * page_bytes + (long long)slot * row_bytes;
+  }
 
   __device__ __forceinline__ const unsigned char* row(long long n) const {
-    if (!pages) return base + n * (D * 2);
-    // Rows number fewer than 2**31 (the host checks it): 32-bit division is exact and far
-    // cheaper than 64-bit.
-    const int r = (int)n;
-    const int p = r / page_size;
-    const int slot = r - p * page_size;
-    return base + (long long)__ldg(pages + p) * page_bytes + (long long)slot * row_bytes;
+    return base + offset(n);
   }
 
   // Element pointer of row n (for kernels that index elements, not bytes).
@@ -92,12 +98,14 @@ __device__ __forceinline__ KvRows<D> kv_rows(const void* cache, const PageTable&
     r.page_bytes = 0;
     r.row_bytes = D * 2;
     r.page_size = 1;
+    r.page_shift = 0;
   } else {
     r.base = c + (long long)kvh * t.head_stride * 2;
     r.pages = t.indices + __ldg(t.indptr + b);
     r.page_bytes = t.page_stride * 2;
     r.row_bytes = t.row_stride * 2;
     r.page_size = t.page_size;
+    r.page_shift = (t.page_size & (t.page_size - 1)) == 0 ? __ffs(t.page_size) - 1 : -1;
   }
   return r;
 }
