@@ -11,11 +11,13 @@ import math
 import pathlib
 import subprocess
 import sys
+import warnings
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from stochattn import DoublePPlan
 from stochattn.integrations import ESTIMATORS, DecodeAttentionConfig, make_config
 from stochattn.integrations._config import check_name, default_clusters, rng_offset
 
@@ -71,6 +73,17 @@ def test_values_are_kept_and_the_config_is_frozen():
     ("doublep", dict(p1=0.0), ValueError, r"`p1` must lie in \(0, 1\], got 0.0"),
     ("doublep", dict(p2=1.5), ValueError, r"`p2` must lie in \(0, 1\], got 1.5"),
     ("doublep", dict(p1="0.9"), TypeError, r"`p1` must be a real number, got str"),
+    # p1 and p2 each checked on its own, the other one valid (issue 33).
+    ("doublep", dict(p1=math.nan), ValueError, r"`p1` must lie in \(0, 1\], got nan"),
+    ("doublep", dict(p2=math.nan), ValueError, r"`p2` must lie in \(0, 1\], got nan"),
+    ("doublep", dict(p1=math.inf, p2=0.5), ValueError, r"`p1` must lie in \(0, 1\], got inf"),
+    ("doublep", dict(p2=-0.5), ValueError, r"`p2` must lie in \(0, 1\], got -0.5"),
+    ("doublep", dict(p2=0), ValueError, r"`p2` must lie in \(0, 1\], got 0.0"),
+    ("doublep", dict(p1=1.0000001), ValueError, r"`p1` must lie in \(0, 1\], got 1.0000001"),
+    ("doublep", dict(p1=None), TypeError, r"`p1` must be a real number, got NoneType"),
+    ("doublep", dict(p2="0.5"), TypeError, r"`p2` must be a real number, got str"),
+    ("doublep", dict(p2=True), TypeError, r"`p2` must be a real number, got bool"),
+    ("doublep", dict(p1=0.9, p2=[0.5]), TypeError, r"`p2` must be a real number, got list"),
     ("doublep", dict(approx="median"), ValueError, r"`approx` must be one of 'centroid', 'sample'"),
     ("doublep", dict(approx="sample"), ValueError, r"`budget` is required with approx='sample'"),
     ("doublep", dict(budget=16), ValueError, r"`budget` must be None with approx='centroid', got 16"),
@@ -85,6 +98,44 @@ def test_values_are_kept_and_the_config_is_frozen():
 def test_bad_arguments_name_themselves(estimator, params, error, message):
     with pytest.raises(error, match=message):
         make_config(estimator, **params)
+
+
+def test_p2_above_p1_is_clamped_with_a_warning_as_the_plan_does():
+    """The library's rule (DoublePPlan, docs/plans.md): p2 in (p1, 1) cannot be reached
+    (stage 2 picks clusters inside C_p), so it is clamped to p1 with a UserWarning naming
+    `p2`; p2 = 1 ("every cluster of C_p exact") and p2 <= p1 are kept, silently. The
+    config then runs its plan without a second warning."""
+    with pytest.warns(UserWarning, match=r"`p2` \(0.9\) above p1 \(0.8\) cannot be reached.*"
+                                         r"clamped to p1"):
+        c = make_config("doublep", p1=0.8, p2=0.9)
+    assert (c.p1, c.p2) == (0.8, 0.8) and c.parameters["p2"] == 0.8
+    with pytest.warns(UserWarning, match=r"`p2` \(0.5\) above p1 \(0.25\)"):
+        s = make_config("doublep", p1=0.25, p2=0.5, approx="sample", budget=8)
+    assert (s.p1, s.p2, s.approx, s.budget) == (0.25, 0.25, "sample", 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for p1, p2 in ((0.8, 1.0), (0.8, 0.8), (0.8, 0.3), (1.0, 0.3), (1, 1), (1e-9, 1.0)):
+            kept = make_config("doublep", p1=p1, p2=p2)
+            assert (kept.p1, kept.p2) == (float(p1), float(p2))
+        for config in (c, s):
+            DoublePPlan(p1=config.p1, p2=config.p2, approx=config.approx, budget=config.budget)
+
+
+@given(p1=st.floats(1e-6, 1.0), p2=st.floats(1e-6, 1.0))
+def test_thresholds_are_those_the_decode_plan_uses(p1, p2):
+    """Any (p1, p2) in (0, 1]: make_config keeps what DoublePPlan keeps, and warns exactly
+    when the plan does (p1 < p2 < 1)."""
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        c = make_config("doublep", p1=p1, p2=p2)
+    with warnings.catch_warnings(record=True) as want:
+        warnings.simplefilter("always")
+        plan = DoublePPlan(p1=p1, p2=p2)
+    assert (c.p1, c.p2) == (plan.p1, plan.p2)
+    assert c.p2 == (p1 if p1 < p2 < 1 else p2)
+    assert [str(w.message) for w in got] == [str(w.message) for w in want]
+    assert len(got) == (1 if p1 < p2 < 1 else 0)
+    assert all(w.category is UserWarning and "`p2`" in str(w.message) for w in got)
 
 
 @pytest.mark.parametrize("name", ["stochattn", "santa_256", "S2ANTA", "doublep_p95_p70"])

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 
 from .. import _validation as val
-from ..doublep import APPROX
+from ..doublep import DoublePPlan
 from ..reference.samplers import SAMPLERS
 from ..reference.santa import SCHEDULES
 
@@ -62,7 +62,8 @@ class DecodeAttentionConfig:
         SANTA: exact attention when the cache tensor has at most ``budget`` rows (a
         preallocated cache counts its capacity).
     p1, p2 : float
-        Double-P thresholds.
+        Double-P thresholds, with ``p2 <= p1`` or ``p2 = 1`` (:func:`make_config` clamps a
+        larger p2 to p1).
     approx : {"centroid", "sample"}
         Double-P: how the approximated clusters enter.
     n_clusters : int or None
@@ -116,7 +117,9 @@ def make_config(estimator, **params) -> DecodeAttentionConfig:
         attention while the cache tensor has at most ``budget`` rows, where sampling would
         read no fewer rows).
 
-        ``"doublep"``: ``p1``, ``p2`` (in (0, 1]; default 0.95 and 0.7), ``approx``
+        ``"doublep"``: ``p1``, ``p2`` (each a real number in (0, 1]; default 0.95 and 0.7;
+        p2 in (p1, 1) cannot be reached and is clamped to p1 with a ``UserWarning`` naming
+        `p2`, as :func:`stochattn.doublep_attention` does), ``approx``
         ("centroid" or "sample"), ``budget`` (required with "sample", None with "centroid"),
         ``sampler`` (with "sample"), ``n_clusters`` (int >= 1 or None: one cluster per
         ``tokens_per_cluster`` tokens of the longest prompt, default 32; capped at the
@@ -132,7 +135,12 @@ def make_config(estimator, **params) -> DecodeAttentionConfig:
     TypeError
         A parameter the estimator does not take, or a value of the wrong type.
     ValueError
-        An unknown estimator, a missing ``budget``, a value out of range.
+        An unknown estimator, a missing ``budget``, a value out of range (NaN included).
+
+    Warns
+    -----
+    UserWarning
+        Double-P ``p2`` above ``p1`` (and below 1), clamped to ``p1``.
 
     Examples
     --------
@@ -167,18 +175,15 @@ def make_config(estimator, **params) -> DecodeAttentionConfig:
         fields["tile_size"] = val.check_positive_int("tile_size", get("tile_size"))
         fields["exact_fallback"] = val.check_bool("exact_fallback", get("exact_fallback"))
     elif estimator == "doublep":
-        fields["p1"] = val.check_probability("p1", get("p1"))
-        fields["p2"] = val.check_probability("p2", get("p2"))
-        approx = fields["approx"] = val.check_choice("approx", get("approx"), APPROX)
-        budget = get("budget")
-        if approx == "sample":
-            if budget is None:
-                raise ValueError("`budget` is required with approx='sample' (an integer >= 1), "
-                                 "got None")
-            fields["budget"] = val.check_budget("budget", budget)
-        elif budget is not None:
-            raise ValueError(f"`budget` must be None with approx='centroid', got {budget!r}")
-        fields["sampler"] = val.check_choice("sampler", get("sampler"), SAMPLERS)
+        # The decode options go through the plan the integration will run, so that they
+        # follow the library's rules with its messages, not a second copy of them: p1 and
+        # p2 each a real number in (0, 1] (TypeError / ValueError naming it; NaN fails),
+        # p2 in (p1, 1) clamped to p1 with a UserWarning naming `p2` (DoublePPlan), and
+        # approx, budget, sampler.
+        plan = DoublePPlan(p1=get("p1"), p2=get("p2"), approx=get("approx"),
+                           budget=get("budget"), sampler=get("sampler"))
+        for name in ("p1", "p2", "approx", "budget", "sampler"):
+            fields[name] = getattr(plan, name)
         n_clusters = get("n_clusters")
         if n_clusters is not None:
             fields["n_clusters"] = val.check_positive_int("n_clusters", n_clusters)
