@@ -12,10 +12,15 @@ indexes"), and Double-P's p2 above p1 is clamped with a warning (docs/plans.md).
 - The GPU index's host code (build, rows through a contiguous or paged cache, stack) runs
   here on NumPy arrays under Numba's CUDA simulator and gives the reference's fingerprint;
   tests/gpu/test_index_fingerprint_gpu.py runs it on CuPy and torch.
+- The GPU decode's check of the index arrays against the call (stochattn.cuda.doublep,
+  host code on array metadata, run here on NumPy arrays standing in for device arrays):
+  an array of the wrong shape, dtype, rank or device is an error naming the attribute
+  (`index.centroids`, ...) with the expected and the actual shape.
 """
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import numpy as np
@@ -306,3 +311,90 @@ def test_p2_above_p1_is_clamped_with_a_warning_except_one():
         DoublePPlan(p1=1.0, p2=0.3)
         DoublePPlan(p1=0.5, p2=0.5, approx="sample", budget=4)
     np.testing.assert_array_equal(one, same)  # p2 = 1: every cluster of C_p exact
+
+
+# ---- the GPU decode's index-shape check (host code on array metadata) ---------------------------
+
+class _MetaOps:
+    """What ``_IndexArrays.check`` reads of a GPU framework's ops, for NumPy arrays standing
+    in for arrays on device 0: (dtype, shape, device) and the dtype's name."""
+
+    name = "numpy as device 0"
+
+    @staticmethod
+    def meta(a):
+        return (a.dtype, a.shape, 0)
+
+    @staticmethod
+    def dtype_name(dtype) -> str:
+        return str(dtype)
+
+
+# The GPU index's dtypes (stochattn.cuda.doublep._INDEX_FIELDS).
+GPU_DTYPES = dict(centroids=np.float32, sizes=np.int64, value_sums=np.float32, labels=np.int32,
+                  seq_lens=np.int64, window_start=np.int64)
+
+
+def gpu_like(index, **arrays):
+    """``index`` with the GPU index's dtypes (NumPy arrays), ``arrays`` replacing fields."""
+    fields = {n: getattr(index, n).astype(dt) for n, dt in GPU_DTYPES.items()}
+    fields.update(arrays)
+    return DoublePIndex(n_sink=index.n_sink, window=index.window, n_clusters=index.n_clusters,
+                        n_initialized=index.n_initialized, **fields)
+
+
+@pytest.fixture
+def index_check(monkeypatch):
+    """check(index, q, k, device=0): what doublep_decode's plan checks of ``index`` for a call
+    with this q and k on ``device`` (returns (clusters, label tokens))."""
+    from stochattn._validation import check_attention_inputs
+    from stochattn.cuda import doublep as cuda_doublep
+
+    monkeypatch.setattr(cuda_doublep, "ops_for", lambda name, a: _MetaOps)
+
+    def check(index, q, k, device=0):
+        return cuda_doublep._IndexArrays(index).check(check_attention_inputs(q, k, k), device)
+
+    return check
+
+
+def test_gpu_index_shape_errors_name_the_attribute(index_check):
+    q, k, v = inputs()
+    ref = build(k, v)
+    index = gpu_like(ref)
+    C = INDEX["n_clusters"]
+    assert index_check(index, q, k) == (C, N)
+    call = r"batch {}, kv_heads {} and head_dim {} of this call's `q` and `k`"
+    # The call's batch, heads or head dim differ from the index's: its centroids are named.
+    for qq, kk, got, want in (
+            (q[:2], k[:2], (B, HKV, C, D), (2, HKV, C, D)),
+            (q[..., :4], k[..., :4], (B, HKV, C, D), (B, HKV, C, 4)),
+            (q, k[:, :1], (B, HKV, C, D), (B, 1, C, D))):
+        with pytest.raises(ValueError, match=re.escape(
+                f"`index.centroids` has shape {got}, expected (batch, kv_heads, clusters, "
+                f"head_dim) = {want}: ") + call.format(want[0], want[1], want[3])):
+            index_check(index, qq, kk)
+    # One array of the index disagrees with the call (or with index.centroids).
+    for name, array, got, want in (
+            ("sizes", ref.sizes[..., :-1], (B, HKV, C - 1), (B, HKV, C)),
+            ("value_sums", ref.value_sums[..., :4], (B, HKV, C, 4), (B, HKV, C, D)),
+            ("labels", ref.labels[:2], (2, HKV, N), (B, HKV, N)),
+            ("seq_lens", ref.seq_lens[:2], (2,), (B,)),
+            ("window_start", np.zeros(B + 1), (B + 1,), (B,))):
+        bad = gpu_like(ref, **{name: array.astype(GPU_DTYPES[name])})
+        with pytest.raises(ValueError, match=re.escape(f"`index.{name}` has shape {got}, "
+                                                       f"expected ") + r"\(.*\) = "
+                           + re.escape(f"{want}: ")):
+            index_check(bad, q, k)
+    with pytest.raises(ValueError, match=re.escape(f", {C} clusters of `index.centroids`")):
+        index_check(gpu_like(ref, sizes=ref.sizes[..., :-1]), q, k)
+    # Rank, dtype and device are named too.
+    with pytest.raises(TypeError, match=r"`index.labels` must be a 3-d int32 array .*got int32 "
+                                        r"\(2, 60\)"):
+        index_check(gpu_like(ref, labels=ref.labels[0].astype(np.int32)), q, k)
+    with pytest.raises(TypeError, match=r"`index.centroids` must be a 4-d float32 array .*got "
+                                        r"float64"):
+        index_check(gpu_like(ref, centroids=ref.centroids), q, k)
+    with pytest.raises(ValueError, match=r"`index.centroids` must be on the GPU of `q` \(1\), "
+                                         r"got device 0"):
+        index_check(index, q, k, device=1)

@@ -281,17 +281,24 @@ class _IndexArrays:
                                 f"from build_doublep_index), got {o.dtype_name(dt)} {shp}")
             if name == "centroids":
                 C = shp[2]
-                want = (B, Hkv, C, D)
+                want, dims = (B, Hkv, C, D), "(batch, kv_heads, clusters, head_dim)"
             elif name == "value_sums":
-                want = (B, Hkv, C, D)
+                want, dims = (B, Hkv, C, D), "(batch, kv_heads, clusters, head_dim)"
             elif name == "sizes":
-                want = (B, Hkv, C)
+                want, dims = (B, Hkv, C), "(batch, kv_heads, clusters)"
             elif name == "labels":
-                want = (B, Hkv, shp[2])
+                want, dims = (B, Hkv, shp[2]), "(batch, kv_heads, tokens)"
             else:
-                want = (B,)
+                want, dims = (B,), "(batch,)"
             if shp != want:
-                raise ValueError(f"`index.{name}` must have shape {want} for this cache, got {shp}")
+                # Named by attribute: batch, kv_heads and head_dim are the call's (q, k),
+                # the cluster count index.centroids', the label axis any length.
+                raise ValueError(
+                    f"`index.{name}` has shape {shp}, expected {dims} = {want}: batch "
+                    f"{B}, kv_heads {Hkv} and head_dim {D} of this call's `q` and `k`"
+                    + (f", {C} clusters of `index.centroids`"
+                       if name in ("value_sums", "sizes") else "")
+                    + "; pass an index built from this cache")
         return C, int(self.arrays[3].shape[2])
 
     def pointers(self):

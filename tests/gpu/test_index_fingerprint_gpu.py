@@ -13,11 +13,19 @@ tests/test_index_fingerprint.py).
   (contiguous and paged, token by token) and stacked.
 - With checks off nothing of it is read (check_keys and fingerprint_rows_gpu never called)
   and a warmed plan run with ``out`` still allocates nothing.
+- An index whose arrays do not match the call's shapes (another batch, a hand-made index
+  with one array cut) is a ValueError naming the attribute (`index.centroids`,
+  `index.value_sums`, ...) with its shape and the expected one, from the functions and the
+  plans, contiguous and paged (tests/test_index_fingerprint.py runs the same check's host
+  code on NumPy stand-ins).
 
 float16 runs on CuPy, bfloat16 on torch (gpu_helpers.to_device).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -257,3 +265,46 @@ def test_checks_off_read_no_fingerprint_and_allocate_nothing(dtype, monkeypatch)
     if torch_before is not None:
         torch.cuda.synchronize()
         assert torch.cuda.memory_stats()["allocation.all.allocated"] == torch_before
+
+
+# ---- an index of other shapes names the attribute -----------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_index_of_other_shapes_names_the_attribute(dtype):
+    """Checks off (the default; with check_finite=True check_keys reports the mismatch
+    first, naming `k`, as on the reference): the GPU decode's plan checks every index array
+    against the call and names the one that differs, with its shape and the expected one."""
+    q, k, v, k32, v32 = inputs(dtype)
+    index = build(k, v)
+    C = int(index.centroids.shape[2])
+    # A call of batch 2 with the batch-3 index: index.centroids is named first.
+    other_batch = re.escape(f"`index.centroids` has shape {(B, HKV, C, D)}, expected (batch, "
+                            f"kv_heads, clusters, head_dim) = {(2, HKV, C, D)}: batch 2, "
+                            f"kv_heads {HKV} and head_dim {D} of this call's `q` and `k`")
+    q2, k2, v2 = q[:2], k[:2], v[:2]
+    with pytest.raises(ValueError, match=other_batch):
+        stochattn.doublep_attention(q2, k2, v2, index=index, **DECODE)
+    with pytest.raises(ValueError, match=other_batch):
+        stochattn.doublep_attention(q2, k2, v2, index=index, approx="sample", budget=8, seed=1,
+                                    p1=0.9, p2=0.6)
+    with pytest.raises(ValueError, match=other_batch):
+        stochattn.cluster_topk_attention(q2, k2, v2, index=index, k_clusters=3)
+    cache2 = paged(k32[:2], v32[:2], LENS[:2], dtype, layout="HND", combined=True)
+    with pytest.raises(ValueError, match=other_batch):
+        stochattn.DoublePPlan(device="cuda", **DECODE).run(q2, cache2, index=index)
+    # A hand-made index with one array cut: that array is named.
+    for name, cut, got, want in (
+            ("value_sums", lambda a: a[:, :, :-1], (B, HKV, C - 1, D), (B, HKV, C, D)),
+            ("sizes", lambda a: a[:, :, :-1], (B, HKV, C - 1), (B, HKV, C)),
+            ("labels", lambda a: a[:2], (2, HKV, int(index.labels.shape[2])),
+             (B, HKV, int(index.labels.shape[2]))),
+            ("window_start", lambda a: a[:2], (2,), (B,))):
+        bad = dataclasses.replace(index, **{name: cut(getattr(index, name))})
+        message = re.escape(f"`index.{name}` has shape {got}, expected ") + r"\(.*\) = " \
+            + re.escape(f"{want}: ")
+        with pytest.raises(ValueError, match=message):
+            stochattn.doublep_attention(q, k, v, index=bad, **DECODE)
+        with pytest.raises(ValueError, match=message):
+            stochattn.DoublePPlan(device="cuda", **DECODE).run(
+                q, paged(k32, v32, LENS, dtype), index=bad)
+    stochattn.doublep_attention(q, k, v, index=index, **DECODE)  # its own index still runs
