@@ -255,6 +255,60 @@ __device__ __forceinline__ void load_rows_async(unsigned char* stage, const KvRo
   copy_rows_async<D, RPT, RG>(stage, rows.base, off, row0, end, rg, lr, need);
 }
 
+// Page numbers one load ahead (tc_common.cuh's tc::Ahead, for the CUDA-core row layout
+// of paged_row_offsets): each load also issues the lookups of the next load's rows (first
+// row next0) and leaves them in flight, so no step of the pipeline waits for its page
+// numbers. A load whose rows are not the ones looked up looks them up itself.
+struct RowsAhead {
+  long long row0 = -1;  // first row of the load looked up
+  int page = 0;         // this lane's row's physical page number (0: none)
+  int slot = 0;         // and its row inside the page
+};
+
+// The row paged_row_offsets gives lane `lane` of the warp (rg: this thread's row group).
+template <int D, int RPT, int RG>
+__device__ __forceinline__ long long ahead_row(long long row0, int rg, int lane) {
+  constexpr int LPR = D / 8, GPW = 32 / LPR;
+  return row0 + (rg - lane / LPR) + lane % GPW + (long long)(lane / GPW) * RG;
+}
+
+template <int D, int RPT, int RG>
+__device__ __forceinline__ void rows_look_ahead(const KvRows<D>& rows, RowsAhead& ah,
+                                                long long row0, long long end, int rg) {
+  constexpr int LPR = D / 8, GPW = 32 / LPR;
+  const int lane = threadIdx.x & 31;
+  const long long n = ahead_row<D, RPT, RG>(row0, rg, lane);
+  const bool valid = lane < GPW * RPT && n < end;
+  const int r = valid ? (int)n : 0;
+  const int p = rows.page_shift >= 0 ? r >> rows.page_shift : r / rows.page_size;
+  ah.row0 = row0;
+  ah.slot = r - p * rows.page_size;
+  ah.page = valid ? __ldg(rows.pages + p) : 0;
+}
+
+// load_rows_async of a stream that may be paged, with the page numbers of the load after
+// it (first row next0) looked up ahead. Every lane of the warp calls it (warp-uniform call
+// sites), in load order.
+template <int D, int RPT, int RG>
+__device__ __forceinline__ void load_rows_async_ahead(unsigned char* stage, const KvRows<D>& rows,
+                                                      long long row0, long long next0,
+                                                      long long end, int rg, int lr,
+                                                      RowsAhead& ah) {
+  constexpr int LPR = D / 8, GPW = 32 / LPR;
+  if (!rows.pages || GPW * RPT > 32) {
+    load_rows_async<D, RPT, RG>(stage, rows, row0, end, rg, lr);
+    return;
+  }
+  if (ah.row0 != row0) rows_look_ahead<D, RPT, RG>(rows, ah, row0, end, rg);
+  const long long o = (long long)ah.page * rows.page_bytes + (long long)ah.slot * rows.row_bytes;
+  rows_look_ahead<D, RPT, RG>(rows, ah, next0, end, rg);
+  const int rgl = (threadIdx.x & 31) / LPR;
+  long long off[RPT];
+#pragma unroll
+  for (int p = 0; p < RPT; ++p) off[p] = __shfl_sync(0xffffffffu, o, p * GPW + rgl);
+  copy_rows_async<D, RPT, RG>(stage, rows.base, off, row0, end, rg, lr, true);
+}
+
 template <int D>
 __device__ __forceinline__ void load_tile_async(unsigned char* stage, const KvRows<D>& rows,
                                                 long long row0, long long end, bool need = true) {

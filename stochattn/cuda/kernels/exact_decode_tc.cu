@@ -103,10 +103,11 @@ exact_decode_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T*
   const unsigned ring_s = static_cast<unsigned>(__cvta_generic_to_shared(ring));
   auto tile_row0 = [&](long long i) { return start + (i * WARPS + warp) * ROWS; };
 
+  tc::Ahead<ROWS> ahead;  // page numbers one load ahead (paged caches), shared by K and V
   auto load = [&](int slot, long long i) {  // tile i of this warp (K, then V) into a slot
     unsigned char* st = ring + slot * kStageBytesTc;
-    tc::load_rows<D, ROWS>(st, krows, tile_row0(i), end, lane);
-    tc::load_rows<D, ROWS>(st + kTileBytes, vrows, tile_row0(i), end, lane);
+    tc::load_kv_rows_ahead<D, ROWS>(st, st + kTileBytes, krows, vrows, i, tile_row0, end, lane,
+                                    ahead);
   };
   tc::ring_prologue<STAGES>(my_tiles, load);
 

@@ -139,9 +139,16 @@ santa_flash_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __r
     return r;
   };
 
+  // Paged caches: each load looks up the next one's page numbers (decode_common.cuh).
+  RowsAhead ahead;
+  const auto load_ahead = [&](unsigned char* stage) {
+    const long long r0 = next_row();
+    load_rows_async_ahead<D, RPT, RG>(stage, krows, r0, ld_tile + ld_off, end, rg, lr, ahead);
+  };
+
 #pragma unroll
   for (int s = 0; s < kFlashStages - 1; ++s) {
-    if (s < n_stages) load_rows_async<D, RPT, RG>(stages + s * WSB, krows, next_row(), end, rg, lr);
+    if (s < n_stages) load_ahead(stages + s * WSB);
     cp_async_commit();
   }
 
@@ -171,7 +178,7 @@ santa_flash_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __r
       cp_async_wait<kFlashStages - 2>();
       {
         const long long nx = s + kFlashStages - 1;
-        if (nx < n_stages) load_rows_async<D, RPT, RG>(stages + wr * WSB, krows, next_row(), end, rg, lr);
+        if (nx < n_stages) load_ahead(stages + wr * WSB);
         cp_async_commit();
       }
       const unsigned char* sk = stages + rd * WSB;

@@ -92,8 +92,10 @@ santa_flash_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* 
   auto piece_row0 = [&](long long i) {
     return start + (((i >> spt_shift) * WARPS + warp) << tile_shift) + (i & spt_mask) * ROWS;
   };
+  tc::Ahead<ROWS> ahead;  // page numbers one load ahead (paged caches)
   auto load = [&](int slot, long long i) {
-    tc::load_rows<D, ROWS>(ring + slot * kTileBytes, krows, piece_row0(i), end, lane);
+    tc::load_rows_ahead<D, ROWS>(ring + slot * kTileBytes, krows, i, piece_row0, end, lane,
+                                 ahead);
   };
   tc::ring_prologue<STAGES>(my_pieces, load);
 

@@ -213,8 +213,10 @@ santa_prop_logits_tc(const T* __restrict__ q, const T* __restrict__ k,
   unsigned char* ring = dynamic_smem() + warp * (STAGES * kTileBytes);
   const unsigned ring_s = static_cast<unsigned>(__cvta_generic_to_shared(ring));
 
+  tc::Ahead<ROWS> ahead;  // page numbers one load ahead (paged caches)
   auto load = [&](int slot, long long i) {
-    tc::load_rows<D, ROWS>(ring + slot * kTileBytes, krows, piece_row0(i), end, lane);
+    tc::load_rows_ahead<D, ROWS>(ring + slot * kTileBytes, krows, i, piece_row0, end, lane,
+                                 ahead);
   };
   tc::ring_prologue<STAGES>(my_pieces, load);
 

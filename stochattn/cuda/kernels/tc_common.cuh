@@ -119,6 +119,93 @@ __device__ __forceinline__ void load_rows(unsigned char* dst, const KvRows<D>& r
   }
 }
 
+// Page numbers one load ahead. A paged load waits for its rows' page numbers before it can
+// issue a copy, and with the lookup in the same step that wait sits in every step of the
+// ring. The loads of a ring come in piece order (ring_prologue, then ring_step), so each
+// load also issues the next piece's lookups (lane l: row l of piece i + 1) into an
+// Ahead and leaves them in flight: the next load finds its page numbers arrived. A load
+// whose piece is not the one looked up (never, in piece order) looks its rows up itself.
+template <int ROWS>
+struct Ahead {
+  static constexpr int kSlots = (ROWS + 31) / 32;  // rows per lane: lane + 32 i
+  long long piece = -1;    // the piece whose lane rows this holds
+  int page[kSlots] = {};   // their physical page numbers (0 past `end`: never read)
+  int slot[kSlots] = {};   // their rows inside the pages
+};
+
+// Issue the page-number loads of this lane's rows of piece `piece` (first row row0).
+template <int D, int ROWS>
+__device__ __forceinline__ void look_ahead(const KvRows<D>& rows, Ahead<ROWS>& ah,
+                                           long long piece, long long row0, long long end,
+                                           int lane) {
+  ah.piece = piece;
+#pragma unroll
+  for (int i = 0; i < Ahead<ROWS>::kSlots; ++i) {
+    const long long n = row0 + lane + 32 * i;
+    const bool valid = lane + 32 * i < ROWS && n < end;
+    const int r = valid ? (int)n : 0;
+    const int p = rows.page_shift >= 0 ? r >> rows.page_shift : r / rows.page_size;
+    ah.slot[i] = r - p * rows.page_size;
+    ah.page[i] = valid ? __ldg(rows.pages + p) : 0;
+  }
+}
+
+// This warp's copies of piece `piece` (first row row0_of(piece)) of one matrix, or of two
+// that share the page table (K and V: the host checks they share strides), each row looked
+// up once, one load ahead (Ahead above); rows at or past `end` are zero-filled and read
+// nothing. Contiguous streams take the base-pointer path. Warp-uniform call sites only.
+template <int D, int ROWS, bool KV, typename RowOf>
+__device__ __forceinline__ void load_pieces_ahead(unsigned char* dst, unsigned char* dst2,
+                                                  const KvRows<D>& rows, const KvRows<D>& rows2,
+                                                  long long piece, RowOf row0_of, long long end,
+                                                  int lane, Ahead<ROWS>& ah) {
+  const long long row0 = row0_of(piece);
+  if (!rows.pages) {
+    load_rows<D, ROWS>(dst, rows.base, row0, end, lane);
+    if constexpr (KV) load_rows<D, ROWS>(dst2, rows2.base, row0, end, lane);
+    return;
+  }
+  if (ah.piece != piece) look_ahead<D, ROWS>(rows, ah, piece, row0, end, lane);  // out of order
+  long long mine[Ahead<ROWS>::kSlots];
+#pragma unroll
+  for (int i = 0; i < Ahead<ROWS>::kSlots; ++i)
+    mine[i] = (long long)ah.page[i] * rows.page_bytes + (long long)ah.slot[i] * rows.row_bytes;
+  look_ahead<D, ROWS>(rows, ah, piece + 1, row0_of(piece + 1), end, lane);
+  constexpr int kPieces = D / 8;  // 16-byte pieces per row
+  constexpr int kPerLane = ROWS * kPieces / 32;
+  static_assert(kPerLane * 32 == ROWS * kPieces, "a tile must split evenly over the lanes");
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    const int p = lane + 32 * j;
+    const int r = p / kPieces, c = p % kPieces;
+    // Row r was looked up by lane r % 32 in its slot r / 32 (the same on every lane: see
+    // load_rows above).
+    const long long o = __shfl_sync(0xffffffffu, mine[(j * (32 / kPieces)) / 32], r % 32);
+    const bool valid = row0 + r < end;
+    cp_async16(dst + swz<D>(r, c), valid ? rows.base + o + c * 16 : rows.base, valid);
+    if constexpr (KV)
+      cp_async16(dst2 + swz<D>(r, c), valid ? rows2.base + o + c * 16 : rows2.base, valid);
+  }
+}
+
+// One matrix (K of the logit kernels).
+template <int D, int ROWS, typename RowOf>
+__device__ __forceinline__ void load_rows_ahead(unsigned char* dst, const KvRows<D>& rows,
+                                                long long piece, RowOf row0_of, long long end,
+                                                int lane, Ahead<ROWS>& ah) {
+  load_pieces_ahead<D, ROWS, false>(dst, nullptr, rows, rows, piece, row0_of, end, lane, ah);
+}
+
+// K and V of the same rows (exact decode): one lookup serves both.
+template <int D, int ROWS, typename RowOf>
+__device__ __forceinline__ void load_kv_rows_ahead(unsigned char* kdst, unsigned char* vdst,
+                                                   const KvRows<D>& krows,
+                                                   const KvRows<D>& vrows, long long piece,
+                                                   RowOf row0_of, long long end, int lane,
+                                                   Ahead<ROWS>& ah) {
+  load_pieces_ahead<D, ROWS, true>(kdst, vdst, krows, vrows, piece, row0_of, end, lane, ah);
+}
+
 // The K-only ring of santa_prop_logits_tc and santa_flash_tc_chunk: pieces of ROWS keys
 // (kNT n8 tiles of the mma, kTileBytes bytes) in STAGES slots per warp.
 template <int D, int ROWS, int STAGES>
