@@ -85,40 +85,6 @@ __device__ __forceinline__ void load_rows(unsigned char* dst, const unsigned cha
   }
 }
 
-// The same tile of a stream that may be paged (kv_rows.cuh): contiguous streams take the
-// base-pointer path above behind one uniform branch. A paged one looks each row up once per
-// warp: lane l finds rows l, l + 32, ... of the tile (rows at or past `end` read nothing,
-// not even their page number) and shuffles each row's offset to the lanes copying its
-// pieces (a lane's j-th piece is row lane / (D / 8) + j * 32 / (D / 8): its slot j * 32 /
-// (D / 8) / 32 is the same on every lane). Warp-uniform call sites only.
-template <int D, int ROWS>
-__device__ __forceinline__ void load_rows(unsigned char* dst, const KvRows<D>& rows,
-                                          long long row0, long long end, int lane) {
-  if (!rows.pages) {
-    load_rows<D, ROWS>(dst, rows.base, row0, end, lane);
-    return;
-  }
-  constexpr int kPieces = D / 8;  // 16-byte pieces per row
-  constexpr int kPerLane = ROWS * kPieces / 32;
-  constexpr int kSlots = (ROWS + 31) / 32;
-  static_assert(kPerLane * 32 == ROWS * kPieces, "a tile must split evenly over the lanes");
-  long long mine[kSlots];
-#pragma unroll
-  for (int i = 0; i < kSlots; ++i) {
-    const long long n = row0 + lane + 32 * i;
-    mine[i] = lane + 32 * i < ROWS && n < end ? rows.offset(n) : 0;
-  }
-#pragma unroll
-  for (int j = 0; j < kPerLane; ++j) {
-    const int p = lane + 32 * j;
-    const int r = p / kPieces, c = p % kPieces;
-    const long long o = __shfl_sync(0xffffffffu, mine[(j * (32 / kPieces)) / 32], r % 32);
-    const bool valid = row0 + r < end;
-    const unsigned char* src = valid ? rows.base + o + c * 16 : rows.base;
-    cp_async16(dst + swz<D>(r, c), src, valid);
-  }
-}
-
 // Page numbers one load ahead. A paged load waits for its rows' page numbers before it can
 // issue a copy, and with the lookup in the same step that wait sits in every step of the
 // ring. The loads of a ring come in piece order (ring_prologue, then ring_step), so each
@@ -178,8 +144,9 @@ __device__ __forceinline__ void load_pieces_ahead(unsigned char* dst, unsigned c
   for (int j = 0; j < kPerLane; ++j) {
     const int p = lane + 32 * j;
     const int r = p / kPieces, c = p % kPieces;
-    // Row r was looked up by lane r % 32 in its slot r / 32 (the same on every lane: see
-    // load_rows above).
+    // Row r was looked up by lane r % 32 in its slot r / 32: a lane's j-th piece is row
+    // lane / (D / 8) + j * 32 / (D / 8), whose slot j * 32 / (D / 8) / 32 is the same on
+    // every lane.
     const long long o = __shfl_sync(0xffffffffu, mine[(j * (32 / kPieces)) / 32], r % 32);
     const bool valid = row0 + r < end;
     cp_async16(dst + swz<D>(r, c), valid ? rows.base + o + c * 16 : rows.base, valid);
