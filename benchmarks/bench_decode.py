@@ -31,7 +31,11 @@ device-to-device copy bandwidth measured here (bytes read plus written).
 Inputs (``--inputs``): ``calibrated`` (the default) is one sequence of the full context from
 ``stochattn.eval.calibrated.make_calibrated_inputs`` (the long-context generator calibrated on
 SmolLM2's attention statistics, docs/generator.md: clustered keys, sinks, recency,
-per-head peakedness); ``synthetic`` is ``stochattn.eval.synthetic.make_decode_inputs`` (peaked
+per-head peakedness); ``spread`` is the same generator's harder variant
+(``hardness="spread"``: the same keys and values, queries at logit temperature 1.4, so 95%
+of the mass sits in about 6% of the keys at 32k instead of about 1%, and Double-P reads
+at 32k what it reads on real attention at 2k-8k; docs/generator.md), for figures that must
+not depend on one generator's shape; ``synthetic`` is ``stochattn.eval.synthetic.make_decode_inputs`` (peaked
 attention from a few aligned keys plus Gaussian noise) for up to 32k tokens, longer
 contexts repeating that pattern on the GPU without its first four (sink) tokens, with a 5%
 Gaussian perturbation of K. Either way the batch entries share the same sequence (stored
@@ -164,29 +168,47 @@ def copy_bandwidth(nbytes=2 << 30, reps=30):
 
 
 _BASE = {}
-INPUTS = ("calibrated", "synthetic")
+INPUTS = ("calibrated", "synthetic", "spread")
 
 
-def base_pattern(tokens, seed=0, inputs="calibrated"):
-    """(q (1, Hq, D), k, v (1, Hkv, P, D)) float32 torch on the GPU and a description of
-    the source: P = tokens for ``calibrated``, min(tokens, 32k) for ``synthetic``."""
-    torch = _torch()
+def pattern_arrays(tokens, seed=0, inputs="calibrated"):
+    """NumPy float32 ``(q (1, Hq, D), k, v (1, Hkv, P, D), source)`` of :func:`base_pattern`
+    (no torch, no GPU): P = tokens for ``calibrated`` and ``spread``, min(tokens, 32k) for
+    ``synthetic``."""
     if inputs not in INPUTS:
         raise ValueError(f"`inputs` must be one of {INPUTS}, got {inputs!r}")
-    P = tokens if inputs == "calibrated" else min(tokens, BASE_TOKENS)
-    if (inputs, P, seed) in _BASE:
-        return _BASE[inputs, P, seed]
-    if inputs == "calibrated":
-        from stochattn.eval.calibrated import make_calibrated_inputs
+    P = min(tokens, BASE_TOKENS) if inputs == "synthetic" else tokens
+    if inputs in ("calibrated", "spread"):
+        from stochattn.eval.calibrated import SPREAD_TEMPERATURE, make_calibrated_inputs
 
-        q, k, v = make_calibrated_inputs(1, HQ, HKV, P, D, seed=seed, dtype=np.float32)
+        q, k, v = make_calibrated_inputs(1, HQ, HKV, P, D, seed=seed, dtype=np.float32,
+                                         hardness=inputs)
         source = f"stochattn.eval.calibrated.make_calibrated_inputs (smollm2 profile), seed {seed}"
+        if inputs == "spread":
+            source += (f", hardness='spread' (logit temperature {SPREAD_TEMPERATURE}: the "
+                       f"harder generator, mass spread wider)")
     else:
         from stochattn.eval.synthetic import make_decode_inputs
 
         q, k, v = make_decode_inputs(1, HQ, HKV, P, D, seed=seed, dtype=np.float32)
         source = f"stochattn.eval.synthetic.make_decode_inputs, seed {seed}"
+    return q, k, v, source
+
+
+def base_pattern(tokens, seed=0, inputs="calibrated"):
+    """(q (1, Hq, D), k, v (1, Hkv, P, D)) float32 torch on the GPU and a description of
+    the source: P = tokens for ``calibrated`` and ``spread`` (the same generator, the
+    harder variant: ``make_calibrated_inputs(..., hardness="spread")``, same K/V for a
+    seed, flatter queries), min(tokens, 32k) for ``synthetic``. The arrays are
+    :func:`pattern_arrays`' (NumPy), copied to the GPU once and cached."""
+    torch = _torch()
+    if inputs not in INPUTS:
+        raise ValueError(f"`inputs` must be one of {INPUTS}, got {inputs!r}")
+    P = min(tokens, BASE_TOKENS) if inputs == "synthetic" else tokens
+    if (inputs, P, seed) in _BASE:
+        return _BASE[inputs, P, seed]
     _BASE.clear()  # one pattern at a time: a 128k one is 1 GB of float32 K and V
+    q, k, v, source = pattern_arrays(tokens, seed, inputs)
     out = tuple(torch.from_numpy(np.ascontiguousarray(a)).cuda() for a in (q, k, v)) + (source,)
     _BASE[inputs, P, seed] = out
     return out

@@ -17,6 +17,15 @@ simulation of the model's logits, and gamma3 (decay beyond 2k) per (layer, head)
 8192-token run. The default step generates 2048 and 8192 token caches with
 :func:`stochattn.eval.calibrated.make_calibrated_inputs` (one query per head) and prints the
 side-by-side table of median [quartiles] over heads.
+
+A fourth step measures what Double-P (0.95, 0.7) reads, on real decode instances and on both
+generators (``hardness="calibrated"`` and ``"spread"``)::
+
+    python -m stochattn.eval.compare_stats --doublep-reads TRACES.npz --read-sizes 2048 4096 8192 32768
+
+``TRACES.npz`` holds SmolLM2 decode instances (:mod:`stochattn.eval.budget_traces`); the
+lengths in it are measured on real and generated inputs, the others on the generators only.
+Writes ``benchmarks/results/generator_doublep_reads_<date>.json`` (``--reads-out``).
 """
 
 from __future__ import annotations
@@ -28,7 +37,8 @@ import os
 
 import numpy as np
 
-__all__ = ["MASS_LEVELS", "stats_from_logits", "quartiles", "fit_table", "compare"]
+__all__ = ["MASS_LEVELS", "stats_from_logits", "quartiles", "fit_table", "compare", "doublep_reads",
+           "real_doublep_reads", "generated_doublep_reads"]
 
 MASS_LEVELS = (0.5, 0.9, 0.95, 0.99)
 N_SINK, WINDOW = 4, 64
@@ -259,11 +269,13 @@ def _fit_far_decay(rows, runs, all_runs, n_tokens, head_dim, n_sim, seed):
 
 # ---------------------------------------------------------------------------- compare
 
-def generated_stats(tokens, *, batch=16, q_heads=32, kv_heads=8, head_dim=128, seed=0):
+def generated_stats(tokens, *, batch=16, q_heads=32, kv_heads=8, head_dim=128, seed=0,
+                    hardness="calibrated"):
     """Statistics of one decode step of the calibrated generator, per (b, query head)."""
     from .calibrated import make_calibrated_inputs
 
-    q, k, _ = make_calibrated_inputs(batch, q_heads, kv_heads, tokens, head_dim, seed=seed)
+    q, k, _ = make_calibrated_inputs(batch, q_heads, kv_heads, tokens, head_dim, seed=seed,
+                                     hardness=hardness)
     G = q_heads // kv_heads
     x = np.empty((batch, q_heads, tokens))
     for b in range(batch):
@@ -297,6 +309,143 @@ def compare(real=None, *, sizes=(2048, 8192), batch=16, seed=0, path=COMPARE_JSO
     return out
 
 
+# ------------------------------------------------------------------- Double-P reads
+
+READ_STATS = ("key_fraction_95", "key_fraction_99", "sink_mass", "window_mass")
+
+
+def doublep_reads(q, k, v, seq_lens=None, *, p1=0.95, p2=0.7, tokens_per_cluster=32,
+                  iterations=10, seed=0, index="full"):
+    """What Double-P reads on a batch of decode instances, and how peaked they are.
+
+    The index is :func:`stochattn.doublep.build_doublep_index` on the whole cache with
+    ``max(seq_lens) // tokens_per_cluster`` clusters and ``iterations`` Lloyd rounds (the
+    defaults of ``benchmarks/bench_doublep.py``: 32 tokens per cluster, 10 rounds; 4 sinks,
+    window 64), then one :func:`stochattn.doublep.doublep_attention` call with diagnostics.
+    ``index="decode"``: the accuracy harness's decode-faithful index instead
+    (:func:`stochattn.eval.llm.evaluate.decode_index`: k-means of a prompt of
+    ``min(seq_lens) // 2`` tokens with ``prompt // 16`` clusters, as many clusters as the
+    full recipe, the later tokens appended to their nearest centroid), the index behind
+    docs/accuracy.md's Double-P rows.
+
+    Returns a dict of float64 arrays: ``k_read_fraction`` (B, Hkv), the K rows read per KV
+    head (the union over its GQA group of sinks, window and exact clusters' tokens) over
+    the sequence length; ``tokens_exact_fraction`` and ``true_mass`` (B, Hq), per query
+    head; and the :data:`READ_STATS` of :func:`stats_from_logits` (B, Hq) over each row's
+    own ``seq_lens[b]`` keys.
+    """
+    from stochattn.doublep import build_doublep_index, doublep_attention
+
+    B, Hq, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    lens = np.full(B, N, dtype=np.int64) if seq_lens is None else np.asarray(seq_lens, np.int64)
+    if index == "decode":
+        from .llm.evaluate import decode_index
+
+        prompt = int(lens.min()) // 2
+        order = np.argsort(lens, kind="stable")
+        if np.any(order != np.arange(B)):
+            raise ValueError("`seq_lens`: index='decode' needs non-decreasing lengths")
+        idx = decode_index(k, v, lens, prefill=prompt, n_clusters=max(1, prompt // 16),
+                           iterations=iterations, seed=seed)
+    elif index == "full":
+        C = max(1, int(lens.max()) // tokens_per_cluster)
+        idx = build_doublep_index(k, v, lens, n_clusters=C, iterations=iterations, seed=seed)
+    else:
+        raise ValueError(f"`index`: expected 'full' or 'decode', got {index!r}")
+    _, d = doublep_attention(q, k, v, lens, index=idx, p1=p1, p2=p2, return_diagnostics=True)
+    out = {"k_read_fraction": np.asarray(d.k_read_fraction, dtype=np.float64),
+           "tokens_exact_fraction": d.tokens_exact / lens[:, None].astype(np.float64),
+           "true_mass": np.asarray(d.true_mass, dtype=np.float64)}
+    G = Hq // Hkv
+    st = {key: np.empty((B, Hq)) for key in READ_STATS}
+    for b in range(B):
+        L = int(lens[b])
+        kk = np.asarray(k[b, :, :L], dtype=np.float64)                 # (Hkv, L, D)
+        x = np.einsum("hnd,hd->hn", np.repeat(kk, G, axis=0),
+                      np.asarray(q[b], dtype=np.float64)) / np.sqrt(D)
+        sb = stats_from_logits(x)
+        for key in READ_STATS:
+            st[key][b] = sb[key]
+    out.update(st)
+    return out
+
+
+def _read_summary(parts):
+    """Pool a list of :func:`doublep_reads` dicts: mean, std and quartiles per field."""
+    out = {}
+    for key in parts[0]:
+        a = np.concatenate([np.asarray(p[key]).ravel() for p in parts])
+        out[key] = dict(quartiles(a), mean=float(a.mean()), std=float(a.std()), n=int(a.size))
+    return out
+
+
+def real_doublep_reads(traces, lengths, *, span=512, **options):
+    """:func:`doublep_reads` on real decode instances, per context length.
+
+    ``traces``: a :class:`stochattn.eval.budget_traces.DecodeTraces` (or the path of its
+    ``.npz``). For each length L, the instances whose sequence length lies in
+    ``(L - span, L]`` (every layer), each attending over its own prefix. Returns
+    ``{L: {"positions", "summary", "per_layer_k_read_mean"}}`` for the lengths present.
+    """
+    from .budget_traces import load_traces
+
+    tr = load_traces(traces) if isinstance(traces, (str, os.PathLike)) else traces
+    out = {}
+    for L in lengths:
+        sel = np.flatnonzero((tr.seq_lens > L - span) & (tr.seq_lens <= L))
+        if sel.size == 0:
+            continue
+        n = int(tr.seq_lens[sel].max())
+        parts, per_layer = [], []
+        for layer in range(tr.n_layers):
+            q = tr.q[layer, sel].astype(np.float64)
+            k = np.broadcast_to(tr.k[layer, :, :n].astype(np.float64)[None],
+                                (sel.size,) + tr.k.shape[1:2] + (n, tr.k.shape[3]))
+            v = np.broadcast_to(tr.v[layer, :, :n].astype(np.float64)[None], k.shape)
+            r = doublep_reads(q, np.ascontiguousarray(k), np.ascontiguousarray(v),
+                              tr.seq_lens[sel], **options)
+            parts.append(r)
+            per_layer.append(float(r["k_read_fraction"].mean()))
+        out[int(L)] = {"play": tr.play, "positions": tr.positions[sel].tolist(),
+                       "layers": tr.n_layers, "q_heads": tr.q_heads, "kv_heads": tr.kv_heads,
+                       "summary": _read_summary(parts),
+                       "per_layer_k_read_mean": np.round(per_layer, 5).tolist()}
+    return out
+
+
+def generated_doublep_reads(tokens, *, hardness="calibrated", batch=8, q_heads=9, kv_heads=3,
+                            head_dim=64, seed=0, **options):
+    """:func:`doublep_reads` on one decode step of the generator (one query per head), one
+    sequence at a time; default shape SmolLM2's (Hq 9, Hkv 3, D 64)."""
+    from .calibrated import make_calibrated_inputs
+
+    q, k, v = make_calibrated_inputs(batch, q_heads, kv_heads, tokens, head_dim, seed=seed,
+                                     hardness=hardness)
+    parts = [doublep_reads(q[b:b + 1], k[b:b + 1], v[b:b + 1], **options) for b in range(batch)]
+    return {"shape": dict(batch=batch, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                          seed=seed, hardness=hardness),
+            "summary": _read_summary(parts)}
+
+
+def format_reads_table(doc):
+    """Markdown table of a ``--doublep-reads`` document: per length and source."""
+    def pct(s, key):
+        e = s[key]
+        return (f"{100 * e['median']:.1f}% [{100 * e['q1']:.1f}, {100 * e['q3']:.1f}]")
+
+    lines = ["| context | source | Double-P K rows read, mean +- sd | median [q1, q3] | "
+             "95% mass in | 99% mass in | sink mass |", "| --- " * 7 + "|"]
+    for n, e in doc["sizes"].items():
+        for name, r in e.items():
+            s = r["summary"]
+            kr = s["k_read_fraction"]
+            lines.append(f"| {n} | {name} | {100 * kr['mean']:.1f}% +- {100 * kr['std']:.1f} | "
+                         f"{pct(s, 'k_read_fraction')} | {pct(s, 'key_fraction_95')} | "
+                         f"{pct(s, 'key_fraction_99')} | {pct(s, 'sink_mass')} |")
+    return "\n".join(lines)
+
+
 def format_table(doc):
     """Markdown table: median [q1, q3] per statistic, real runs and generated, per size."""
     def cell(q, key):
@@ -327,6 +476,74 @@ def format_table(doc):
     return "\n".join(lines)
 
 
+def doublep_reads_study(traces, sizes, *, batch=8, batch_long=4, bench_shape=False,
+                        mass_sizes=(), mass_batch=2, decode_sizes=(), seed=0, path=None):
+    """Real (where ``traces`` has the length) vs calibrated vs spread, per size; JSON.
+
+    The generators run in SmolLM2's shape (Hq 9, Hkv 3, D 64), ``batch`` sequences up to
+    8192 tokens and ``batch_long`` beyond; with ``bench_shape``, also one sequence in the
+    benchmarks' shape (Hq 32, Hkv 8, D 128) at the sizes beyond 8192. ``mass_sizes``: the
+    mass statistics only (no Double-P), ``mass_batch`` sequences in the benchmarks' shape,
+    under ``"mass_only"``. ``decode_sizes``: real and both generators again with the
+    decode-faithful index (:func:`doublep_reads` ``index="decode"``), under
+    ``"decode_index"``.
+    """
+    import time
+
+    date = str(datetime.date.today())
+    path = path or os.path.join(RESULTS, f"generator_doublep_reads_{date}.json")
+    real = real_doublep_reads(traces, sizes) if traces else {}
+    doc = {"what": "Double-P (p1, p2) = (0.95, 0.7), centroid, index = build_doublep_index on "
+                   "the whole cache, N // 32 clusters, 10 iterations, 4 sinks, window 64: "
+                   "k_read_fraction = K rows read per KV head (union over its GQA group of "
+                   "sinks + window + exact clusters' tokens) / N; tokens_exact_fraction and "
+                   "true_mass per query head; key_fraction_95/99, sink_mass, window_mass of "
+                   "the exact softmax per query head. Summaries over (instance, layer, head) "
+                   "for real, over (sequence, head) for the generators",
+           "made_by": "python -m stochattn.eval.compare_stats --doublep-reads",
+           "date": date, "seconds": {}, "sizes": {}}
+    for n in sizes:
+        entry = {}
+        if n in real:
+            entry[f"real {real[n]['play']}"] = real[n]
+        runs = [(h, h, dict(batch=batch if n <= 8192 else batch_long))
+                for h in ("calibrated", "spread")]
+        if bench_shape and n > 8192:
+            runs += [(f"{h} (Hq 32, Hkv 8, D 128)", h,
+                      dict(batch=1, q_heads=32, kv_heads=8, head_dim=128))
+                     for h in ("calibrated", "spread")]
+        for name, hardness, shape in runs:
+            t0 = time.time()
+            entry[name] = generated_doublep_reads(n, hardness=hardness, seed=seed, **shape)
+            doc["seconds"][f"{n} {name}"] = round(time.time() - t0, 1)
+            print(f"{n} {name}: {doc['seconds'][f'{n} {name}']} s", flush=True)
+        doc["sizes"][str(n)] = entry
+        with open(path, "w") as fh:
+            json.dump(doc, fh, indent=1)
+    for n in decode_sizes:
+        entry = {}
+        if traces:
+            r = real_doublep_reads(traces, [n], index="decode")
+            if n in r:
+                entry[f"real {r[n]['play']}"] = r[n]
+        for h in ("calibrated", "spread"):
+            entry[h] = generated_doublep_reads(n, hardness=h, batch=batch, seed=seed,
+                                               index="decode")
+        doc.setdefault("decode_index", {})[str(n)] = entry
+        print(f"{n} decode-index reads done", flush=True)
+        with open(path, "w") as fh:
+            json.dump(doc, fh, indent=1)
+    for n in mass_sizes:
+        doc.setdefault("mass_only", {})[str(n)] = {
+            h: dict(_summary(generated_stats(n, batch=mass_batch, seed=seed, hardness=h), n),
+                    shape=dict(batch=mass_batch, q_heads=32, kv_heads=8, head_dim=128, seed=seed))
+            for h in ("calibrated", "spread")}
+        print(f"{n} mass statistics done", flush=True)
+        with open(path, "w") as fh:
+            json.dump(doc, fh, indent=1)
+    return doc
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m stochattn.eval.compare_stats",
                                  description=__doc__.split("\n")[0])
@@ -334,7 +551,33 @@ def main(argv=None):
     ap.add_argument("--fit", action="store_true")
     ap.add_argument("--sizes", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--doublep-reads", metavar="TRACES.npz",
+                    help="Double-P (0.95, 0.7) reads: real instances of TRACES.npz vs the "
+                         "generators ('' for the generators only)")
+    ap.add_argument("--read-sizes", type=int, nargs="*", default=[2048, 4096, 8192])
+    ap.add_argument("--read-batch", type=int, default=8,
+                    help="generated sequences per size (SmolLM2's shape: Hq 9, Hkv 3, D 64)")
+    ap.add_argument("--read-batch-long", type=int, default=4,
+                    help="generated sequences per size beyond 8192 tokens")
+    ap.add_argument("--bench-shape", action="store_true",
+                    help="also one sequence in the benchmarks' shape (Hq 32, Hkv 8, D 128) "
+                         "beyond 8192 tokens")
+    ap.add_argument("--mass-sizes", type=int, nargs="*", default=[],
+                    help="sizes for the generators' mass statistics only (benchmarks' shape)")
+    ap.add_argument("--mass-batch", type=int, default=2)
+    ap.add_argument("--decode-index-sizes", type=int, nargs="*", default=[],
+                    help="sizes to measure again with the accuracy harness's decode-faithful "
+                         "index")
+    ap.add_argument("--reads-out", default=None)
     args = ap.parse_args(argv)
+    if args.doublep_reads is not None:
+        doc = doublep_reads_study(args.doublep_reads or None, args.read_sizes,
+                                  batch=args.read_batch, batch_long=args.read_batch_long,
+                                  bench_shape=args.bench_shape, mass_sizes=args.mass_sizes,
+                                  mass_batch=args.mass_batch,
+                                  decode_sizes=args.decode_index_sizes, path=args.reads_out)
+        print(format_reads_table(doc))
+        return 0
     if args.measure:
         measure(args.measure)
         return 0
