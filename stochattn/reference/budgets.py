@@ -33,8 +33,8 @@ Write r2 = sigma2 / ||o||^2 (the relative variance of one draw) and c the rule's
 
 Then S = ceil(c r2 / eps^2), capped at ``max_budget`` (``capped`` reports it) and at least 1.
 
-||o||^2: the two modes
-----------------------
+||o||^2: the modes
+-----------------
 - ``norm="pilot"`` (the real option): ``pilot`` = S0 stratified draws from p on their own
   stream (purpose :data:`PURPOSE_BUDGET_PILOT`, stream 0, row b * Hq + h, draws 0..S0-1),
   o_p their mean, y = ||o_p||. Their cost counts: a head reads S0 + S value rows. A part
