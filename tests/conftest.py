@@ -39,3 +39,20 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+# Real SmolLM2 decode instances (hamlet, 512 tokens, 40 positions) for the budget tests
+# (tests/test_budgets_real.py, tests/test_budget_norms.py): dumped once per session. Only the
+# modules that skip without the `eval` extra and the GGUF request them.
+@pytest.fixture(scope="session")
+def hamlet_traces():
+    from stochattn.eval.budget_traces import dump_traces, spread_positions
+
+    return dump_traces("hamlet", 512, spread_positions(512, 40, first=64))
+
+
+@pytest.fixture(scope="session")
+def hamlet_layers(hamlet_traces):
+    from stochattn.eval import budget_study as bs
+
+    return [bs.prepare(*hamlet_traces.layer_call(l)) for l in range(hamlet_traces.n_layers)]

@@ -194,16 +194,14 @@ real = pytest.mark.skipif(not _have_model(), reason="the `eval` extra or the Smo
                                                     "missing")
 
 
-@pytest.fixture(scope="module")
-def traces():
-    from stochattn.eval.budget_traces import dump_traces, spread_positions
-    return dump_traces("hamlet", 512, spread_positions(512, 40, first=64))
+@pytest.fixture
+def traces(hamlet_traces):  # tests/conftest.py: dumped once per session
+    return hamlet_traces
 
 
-@pytest.fixture(scope="module")
-def layers(traces):
-    from stochattn.eval import budget_study as bs
-    return [bs.prepare(*traces.layer_call(l)) for l in range(traces.n_layers)]
+@pytest.fixture
+def layers(hamlet_layers):
+    return hamlet_layers
 
 
 @real

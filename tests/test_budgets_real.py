@@ -37,8 +37,7 @@ except FileNotFoundError as exc:
     pytest.skip(f"no SmolLM2 GGUF file: {exc}", allow_module_level=True)
 
 from stochattn.eval import budget_study as bs  # noqa: E402
-from stochattn.eval.budget_traces import (dump_traces, load_traces,  # noqa: E402
-                                          spread_positions)
+from stochattn.eval.budget_traces import load_traces  # noqa: E402
 from stochattn.reference import budgets as bd  # noqa: E402
 
 ALPHA = 1e-4
@@ -49,14 +48,14 @@ CASES = [(rule, e, d) for rule in bd.RULES for e in EPS for d in DELTAS]  # x 3 
 CASE_ALPHA = ALPHA / (len(CASES) * len(bs.SAMPLERS))
 
 
-@pytest.fixture(scope="module")
-def traces():
-    return dump_traces("hamlet", 512, spread_positions(512, 40, first=64))
+@pytest.fixture
+def traces(hamlet_traces):  # tests/conftest.py: dumped once per session
+    return hamlet_traces
 
 
-@pytest.fixture(scope="module")
-def layers(traces):
-    return [bs.prepare(*traces.layer_call(l)) for l in range(traces.n_layers)]
+@pytest.fixture
+def layers(hamlet_layers):
+    return hamlet_layers
 
 
 def failures(layers, rule, norm, eps, delta, *, bug=None, samplers=bs.SAMPLERS, seed=0):
