@@ -196,6 +196,15 @@ __device__ __forceinline__ void load_tile_async(unsigned char* stage, const unsi
       stage, base, row0, end, threadIdx.x / Tl::kLanesPerRow, threadIdx.x % Tl::kLanesPerRow, need);
 }
 
+// The row lane `lane` of the warp looks up for a load whose first row is row0 (rg: this
+// thread's row group): lane p * GPW + g finds row p of row group g of the warp, where GPW
+// = 32 / (D / 8) row groups share a warp (paged_row_offsets below).
+template <int D, int RPT, int RG>
+__device__ __forceinline__ long long lookup_row(long long row0, int rg, int lane) {
+  constexpr int LPR = D / 8, GPW = 32 / LPR;
+  return row0 + (rg - lane / LPR) + lane % GPW + (long long)(lane / GPW) * RG;
+}
+
 // The byte offsets (from the stream's base) of this thread's RPT rows row0 + rg + p * RG of
 // a paged stream (kv_rows.cuh), rows at or past `end` 0 (they read nothing, not even their
 // page number: they may lie past the sequence's pages). Each distinct row of the warp is
@@ -211,7 +220,7 @@ __device__ __forceinline__ void paged_row_offsets(long long (&off)[RPT], const K
   if constexpr (GPW * RPT <= 32) {
     const int lane = threadIdx.x & 31;
     const int rgl = lane / LPR;
-    const long long mine = row0 + (rg - rgl) + lane % GPW + (long long)(lane / GPW) * RG;
+    const long long mine = lookup_row<D, RPT, RG>(row0, rg, lane);
     const long long o = lane < GPW * RPT && mine < end ? rows.offset(mine) : 0;
 #pragma unroll
     for (int p = 0; p < RPT; ++p) off[p] = __shfl_sync(0xffffffffu, o, p * GPW + rgl);
@@ -265,22 +274,15 @@ struct RowsAhead {
   int slot = 0;         // and its row inside the page
 };
 
-// The row paged_row_offsets gives lane `lane` of the warp (rg: this thread's row group).
-template <int D, int RPT, int RG>
-__device__ __forceinline__ long long ahead_row(long long row0, int rg, int lane) {
-  constexpr int LPR = D / 8, GPW = 32 / LPR;
-  return row0 + (rg - lane / LPR) + lane % GPW + (long long)(lane / GPW) * RG;
-}
-
 template <int D, int RPT, int RG>
 __device__ __forceinline__ void rows_look_ahead(const KvRows<D>& rows, RowsAhead& ah,
                                                 long long row0, long long end, int rg) {
   constexpr int LPR = D / 8, GPW = 32 / LPR;
   const int lane = threadIdx.x & 31;
-  const long long n = ahead_row<D, RPT, RG>(row0, rg, lane);
+  const long long n = lookup_row<D, RPT, RG>(row0, rg, lane);
   const bool valid = lane < GPW * RPT && n < end;
   const int r = valid ? (int)n : 0;
-  const int p = rows.page_shift >= 0 ? r >> rows.page_shift : r / rows.page_size;
+  const int p = rows.page_index(r);
   ah.row0 = row0;
   ah.slot = r - p * rows.page_size;
   ah.page = valid ? __ldg(rows.pages + p) : 0;

@@ -63,13 +63,19 @@ struct KvRows {
   int page_size;
   int page_shift;             // log2(page_size) for a power of two, else -1
 
+  // Paged: the index into `pages` of the page holding row r (r - page_index(r) *
+  // page_size is its slot).
+  __device__ __forceinline__ int page_index(int r) const {
+    return page_shift >= 0 ? r >> page_shift : r / page_size;
+  }
+
   // Byte offset of row n from `base`. Paged: one page-number load; rows number fewer than
   // 2**31 (the host checks it), so the division is 32-bit, and a shift for power-of-two
   // page sizes (every size FlashInfer's engines use).
   __device__ __forceinline__ long long offset(long long n) const {
     if (!pages) return n * (D * 2);
     const int r = (int)n;
-    const int p = page_shift >= 0 ? r >> page_shift : r / page_size;
+    const int p = page_index(r);
     const int slot = r - p * page_size;
     return (long long)__ldg(pages + p) * page_bytes + (long long)slot * row_bytes;
   }

@@ -110,7 +110,7 @@ __device__ __forceinline__ void look_ahead(const KvRows<D>& rows, Ahead<ROWS>& a
     const long long n = row0 + lane + 32 * i;
     const bool valid = lane + 32 * i < ROWS && n < end;
     const int r = valid ? (int)n : 0;
-    const int p = rows.page_shift >= 0 ? r >> rows.page_shift : r / rows.page_size;
+    const int p = rows.page_index(r);
     ah.slot[i] = r - p * rows.page_size;
     ah.page[i] = valid ? __ldg(rows.pages + p) : 0;
   }
