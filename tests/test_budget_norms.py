@@ -194,25 +194,15 @@ real = pytest.mark.skipif(not _have_model(), reason="the `eval` extra or the Smo
                                                     "missing")
 
 
-@pytest.fixture
-def traces(hamlet_traces):  # tests/conftest.py: dumped once per session
-    return hamlet_traces
-
-
-@pytest.fixture
-def layers(hamlet_layers):
-    return hamlet_layers
-
-
 @real
 @pytest.mark.parametrize("delta", (0.1, 0.01))
-def test_student_bound_level_on_real_heads(layers, delta):
+def test_student_bound_level_on_real_heads(hamlet_layers, delta):
     """P(L > ||o||) <= delta_pilot over the 10800 real heads (one call each, offset =
     layer); measured 0 / 10800 at delta_pilot 0.025 and 0.0025 (without the range guard:
     65 and 62 / 10800, the second above 0.0025). The planted plug-in (L = t_B) exceeds
     ||o|| on 1142 / 3600 heads and is rejected."""
     F = n = Fb = nb = 0
-    for l, inst in enumerate(layers):
+    for l, inst in enumerate(hamlet_layers):
         f, m = bound_failures(inst.x, inst.sq, inst.v, inst.on2, delta, (0,), offset=l)
         F, n = F + f, n + m
         if l % 3 == 0:
@@ -228,7 +218,7 @@ REAL_CASES = [(e, d) for e in (0.1, 0.2) for d in (0.01, 0.1)] + [(0.05, 0.1), (
 
 
 @real
-def test_student_coverage_and_cost_on_real_heads(layers):
+def test_student_coverage_and_cost_on_real_heads(hamlet_layers):
     """Coverage with norm="student" (CLT rule, pilot 256), every sampler, REAL_CASES: the
     statistic of tests/test_budgets_real.py (6 cases x 3 samplers, each at TEST_ALPHA).
     Cost at eps 0.1, delta 0.1: mean (S + pilot) at most 2.4x the oracle's mean S (measured
@@ -239,7 +229,7 @@ def test_student_coverage_and_cost_on_real_heads(layers):
     for eps, delta in REAL_CASES:
         acc = {s: [0, 0] for s in bs.SAMPLERS}
         cost = orc = pil = 0.0
-        for l, inst in enumerate(layers):
+        for l, inst in enumerate(hamlet_layers):
             ch = bs.choose(inst, rule="clt", norm="student", eps=eps, delta=delta,
                            pilot=STUDENT_PILOT, max_budget=10**7, seed=0, offset=l)
             for s, f in bs.pair_failures(inst, ch, bs.SAMPLERS, eps, seed=0, offset=l,
@@ -262,7 +252,7 @@ def test_student_coverage_and_cost_on_real_heads(layers):
 
 
 @real
-def test_tile_summary_bound_is_valid_and_weak(layers, traces):
+def test_tile_summary_bound_is_valid_and_weak(hamlet_layers, hamlet_traces):
     """The per-tile value-summary bound (tile 64) never exceeds ||o|| (a theorem: checked on
     every head, to rounding); the planted version without the within-tile term (L = ||m||)
     exceeds ||o|| on more than a third of the heads (measured 73%); the valid bound is 0 on
@@ -270,12 +260,12 @@ def test_tile_summary_bound_is_valid_and_weak(layers, traces):
     from stochattn.eval import budget_study as bs
 
     zero = over = n = 0
-    for l in range(0, traces.n_layers, 3):
-        inst = layers[l]
-        L, mn = bs.tile_norm_lower(inst, traces.seq_lens, 64)
+    for l in range(0, hamlet_traces.n_layers, 3):
+        inst = hamlet_layers[l]
+        L, mn = bs.tile_norm_lower(inst, hamlet_traces.seq_lens, 64)
         on = np.sqrt(inst.on2)
         assert (L <= on * (1 + 1e-9)).all()
-        bad, _ = bs.tile_norm_lower(inst, traces.seq_lens, 64, within=False)
+        bad, _ = bs.tile_norm_lower(inst, hamlet_traces.seq_lens, 64, within=False)
         assert np.array_equal(bad, mn)
         over += int((bad > on).sum())
         zero += int((L == 0).sum())

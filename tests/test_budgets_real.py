@@ -48,16 +48,6 @@ CASES = [(rule, e, d) for rule in bd.RULES for e in EPS for d in DELTAS]  # x 3 
 CASE_ALPHA = ALPHA / (len(CASES) * len(bs.SAMPLERS))
 
 
-@pytest.fixture
-def traces(hamlet_traces):  # tests/conftest.py: dumped once per session
-    return hamlet_traces
-
-
-@pytest.fixture
-def layers(hamlet_layers):
-    return hamlet_layers
-
-
 def failures(layers, rule, norm, eps, delta, *, bug=None, samplers=bs.SAMPLERS, seed=0):
     """{sampler: (F, n)} over every layer's call (offset = layer)."""
     rng = np.random.default_rng(7)
@@ -73,33 +63,33 @@ def failures(layers, rule, norm, eps, delta, *, bug=None, samplers=bs.SAMPLERS, 
     return out
 
 
-def test_traces_are_decode_instances(traces, tmp_path):
+def test_traces_are_decode_instances(hamlet_traces, tmp_path):
     """Layout and content: instance i of layer l is the query at positions[i] with the
     cache 0..positions[i]; the cache equals the exact prefill's (forward's own arrays);
     save/load round-trips."""
-    q, k, v, lens = traces.layer_call(3)
+    q, k, v, lens = hamlet_traces.layer_call(3)
     assert q.shape == (40, 9, 64) and k.shape == (40, 3, 512, 64) and v.shape == k.shape
-    assert lens[0] == 65 and lens[-1] == 512 and np.array_equal(lens, traces.positions + 1)
-    assert traces.n_layers == 30 and traces.k.dtype == np.float32
+    assert lens[0] == 65 and lens[-1] == 512 and np.array_equal(lens, hamlet_traces.positions + 1)
+    assert hamlet_traces.n_layers == 30 and hamlet_traces.k.dtype == np.float32
     path = tmp_path / "t.npz"
-    traces.save(path)
+    hamlet_traces.save(path)
     back = load_traces(path)
-    assert back.play == "hamlet" and np.array_equal(back.q, traces.q)
-    assert np.array_equal(back.v, traces.v)
+    assert back.play == "hamlet" and np.array_equal(back.q, hamlet_traces.q)
+    assert np.array_equal(back.v, hamlet_traces.v)
 
 
 @pytest.mark.parametrize("rule, eps, delta", CASES)
-def test_coverage_on_real_heads(layers, rule, eps, delta):
+def test_coverage_on_real_heads(hamlet_layers, rule, eps, delta):
     """P(||o_hat - o|| > eps ||o||) <= delta on 10800 real (call, head) pairs per sampler,
     pilot norm, one-sided exact binomial test at CASE_ALPHA (module docstring)."""
-    for s, (F, n) in failures(layers, rule, "pilot", eps, delta).items():
+    for s, (F, n) in failures(hamlet_layers, rule, "pilot", eps, delta).items():
         assert n >= 10**4
         p = bs.binom_sf(F, n, delta)
         assert p >= CASE_ALPHA, f"{s}/{rule} eps={eps} delta={delta}: {F}/{n}, P = {p:.2e}"
 
 
 @pytest.mark.parametrize("eps, delta", [(0.1, 0.01), (0.2, 0.1)])
-def test_wrong_normaliser_fails_coverage(layers, eps, delta):
+def test_wrong_normaliser_fails_coverage(hamlet_layers, eps, delta):
     """Planted: the relative variance taken against m2 = E||v_J||^2 instead of ||o||^2
     (S = c sigma2 / (eps^2 m2)). On SmolLM2 heads ||o||^2 is a small part of m2 (median
     sigma2 / ||o||^2 about 2-5), so the budgets shrink several-fold and the same
@@ -108,22 +98,23 @@ def test_wrong_normaliser_fails_coverage(layers, eps, delta):
     pass it (6 and 32 / 10800): on real heads their error is far below the iid variance
     the rules assume, so coverage has no power against an under-estimate there; the exact
     check below pins the formula for them."""
-    for s, (F, n) in failures(layers, "clt", "pilot", eps, delta, bug="wrong_norm",
+    for s, (F, n) in failures(hamlet_layers, "clt", "pilot", eps, delta, bug="wrong_norm",
                              samplers=("iid",)).items():
         assert bs.binom_sf(F, n, delta) < CASE_ALPHA, f"{s}: planted bug passed, {F}/{n}"
 
 
-def test_halved_variance_fails_coverage(layers):
+def test_halved_variance_fails_coverage(hamlet_layers):
     """Planted: every variance bound halved (budgets.tail_factor monkeypatched to half).
     Under the CLT rule with the oracle norm (no pilot slack) and iid draws, the law the
     rule is derived for, the same statistic rejects at delta = 0.1 (measured 2122 / 10800;
     with the pilot's slack, or with systematic / stratified draws, it passes: 673, 28, 22
     / 10800 pilot iid / systematic / stratified)."""
-    (F, n), = failures(layers, "clt", "oracle", 0.1, 0.1, bug="halved", samplers=("iid",)).values()
+    (F, n), = failures(hamlet_layers, "clt", "oracle", 0.1, 0.1, bug="halved",
+                       samplers=("iid",)).values()
     assert bs.binom_sf(F, n, 0.1) < CASE_ALPHA, f"planted bug passed: {F}/{n}"
 
 
-def test_oracle_budget_is_the_requirement(layers):
+def test_oracle_budget_is_the_requirement(hamlet_layers):
     """Exact, on real heads: under the oracle norm S = ceil(c var / (eps^2 ||o||^2)) with the
     centred variance (computed apart from budgets.py's m2 - ||o||^2) within one unit; the
     planted "no ||o||^2 term" (sigma2 = m2; larger budgets, which coverage cannot catch)
@@ -131,7 +122,7 @@ def test_oracle_budget_is_the_requirement(layers):
     eps, delta = 0.1, 0.1
     c = bd.tail_factor("clt", delta)
     for l in (0, 12, 29):
-        inst = layers[l]
+        inst = hamlet_layers[l]
         need = np.maximum(np.ceil(c * inst.var / (eps**2 * inst.on2)), 1)
         ch = bs.choose(inst, rule="clt", norm="oracle", eps=eps, delta=delta, pilot=1,
                        max_budget=MAX_BUDGET, seed=0, offset=l)
@@ -142,14 +133,14 @@ def test_oracle_budget_is_the_requirement(layers):
 
 
 @pytest.mark.parametrize("sampler", ("systematic", "stratified"))
-def test_simulated_draws_are_the_estimators(traces, sampler):
+def test_simulated_draws_are_the_estimators(hamlet_traces, sampler):
     """The coverage simulation is the estimator: for 6 instances of one layer,
     santa_attention(eps=..., prop) returns the budgets of choose_budgets and the output of
     the count simulation on the same seed and offset (to rounding: the estimator sums
     gathered rows, the simulation counts times rows)."""
     from stochattn.santa import santa_attention
 
-    q, k, v, lens = traces.layer_call(7)
+    q, k, v, lens = hamlet_traces.layer_call(7)
     sel = np.arange(0, 40, 7)
     q, k, v, lens = q[sel], np.ascontiguousarray(k[sel]), np.ascontiguousarray(v[sel]), lens[sel]
     inst = bs.prepare(q, k, v, lens)
@@ -165,18 +156,18 @@ def test_simulated_draws_are_the_estimators(traces, sampler):
     np.testing.assert_allclose(out, sim, rtol=1e-9, atol=1e-9 * np.abs(sim).max())
 
 
-def test_budget_follows_attention_spread(layers, traces):
+def test_budget_follows_attention_spread(hamlet_layers, hamlet_traces):
     """Adaptivity on real heads: per (layer, head), the mean pilot S (CLT, eps 0.1,
     delta 0.1) over the 40 positions rises with the mean fraction of keys holding 95% of
     the mass: Spearman rho sqrt(n - 1) > z_{1 - 1e-6} = 4.75 over the 270 heads (the null of
     no association passes with probability 1e-6). Deterministic given the seed."""
     S, f = [], []
-    for l, inst in enumerate(layers):
+    for l, inst in enumerate(hamlet_layers):
         ch = bs.choose(inst, rule="clt", norm="pilot", eps=0.1, delta=0.1,
                        pilot=bs.pilot_for("clt", 0.1, 0.1, "pilot"), max_budget=MAX_BUDGET,
                        seed=0, offset=l)
         S.append(ch.budget.mean(0))
-        f.append(bs.mass_fraction(inst, traces.seq_lens).mean(0))
+        f.append(bs.mass_fraction(inst, hamlet_traces.seq_lens).mean(0))
     S, f = np.concatenate(S), np.concatenate(f)
     rho = bs.spearman(S, f)
     assert rho * np.sqrt(S.size - 1) > 4.75, rho
