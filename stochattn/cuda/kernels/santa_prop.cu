@@ -418,7 +418,7 @@ __device__ double block_exclusive_sum(double x, double* sm) {
 __device__ __forceinline__ void write_empty_part(float* __restrict__ part_o,
                                                  float* __restrict__ part_ml, long long row,
                                                  int num_parts, int part, int D, int S,
-                                                 long long* __restrict__ idx_out) {
+                                                 long long* __restrict__ idx_out, long long ld) {
   const long long at = row * num_parts + part;
   for (int d = threadIdx.x; d < D; d += blockDim.x) part_o[at * D + d] = 0.f;
   if (threadIdx.x == 0) {
@@ -426,7 +426,7 @@ __device__ __forceinline__ void write_empty_part(float* __restrict__ part_o,
     part_ml[at * 2 + 1] = 0.f;
   }
   if (idx_out)
-    for (int m = threadIdx.x; m < S; m += blockDim.x) idx_out[row * S + m] = -1;
+    for (int m = threadIdx.x; m < S; m += blockDim.x) idx_out[row * ld + m] = -1;
 }
 
 // A row that read a NaN or an infinity (Z or m* not finite; decode_common.cuh): a NaN
@@ -436,7 +436,7 @@ template <typename T>
 __device__ __forceinline__ void write_nan_row(T* __restrict__ orow, float* __restrict__ part_o,
                                               float* __restrict__ part_ml, long long row,
                                               int num_parts, int part, int D, int S,
-                                              long long* __restrict__ idx_out) {
+                                              long long* __restrict__ idx_out, long long ld) {
   const long long at = row * num_parts + part;
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     if (part_o)
@@ -449,31 +449,25 @@ __device__ __forceinline__ void write_nan_row(T* __restrict__ orow, float* __res
     part_ml[at * 2 + 1] = STOCHATTN_NAN;
   }
   if (idx_out)
-    for (int m = threadIdx.x; m < S; m += blockDim.x) idx_out[row * S + m] = -1;
+    for (int m = threadIdx.x; m < S; m += blockDim.x) idx_out[row * ld + m] = -1;
 }
 
-// One CTA per (b, query head) row. With `part_o` null: writes out[row] = (1/S) sum v[J].
-// With `part_o` (Double-P's sampled variant, logits of unsampled tokens -inf): writes the
-// mean and (m* log2 e, Z) as partial `part` of `num_parts` for exact_decode_merge, and a
-// row without mass gets an empty partial and indices -1. `purpose`: the random stream's
-// purpose (philox.cuh).
+// The work of one santa_prop_sample CTA on row `row` (= b * Hq + h) with S points;
+// `ld` is the row stride of idx32, idx_out (and ld + 1 of iid_points): S for the
+// fixed-budget kernel, the plan's max_budget for santa_prop_sample_budgets (per-row S).
+// The points of a row depend only on its own S (docs/rng.md), so a row with S draws
+// exactly what a fixed-S call draws. Called by the whole block after the PDL entry.
 template <typename T, int D>
-__global__ void __launch_bounds__(kSampleThreads)
-santa_prop_sample(const T* __restrict__ v, const int* __restrict__ seq_lens,
-                  const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices,
-                  const int* __restrict__ kv_last_page_len, int page_size,
-                  long long page_stride, int row_stride, int head_stride,
-                  const float* __restrict__ logits, const float* __restrict__ tile_m,
-                  const float* __restrict__ tile_l, double* __restrict__ C,
-                  double* __restrict__ iid_points, int* __restrict__ idx32,
-                  long long* __restrict__ idx_out,
-                  T* __restrict__ out, int Hq, int G, long long N, long long n_pad,
-                  long long n_tiles, int tile_size, int S, int sampler,
-                  unsigned long long seed, unsigned offset, const void* __restrict__ seed_ptr,
-                  const void* __restrict__ offset_ptr, unsigned streams, unsigned purpose,
-                  float* __restrict__ part_o, float* __restrict__ part_ml, int num_parts,
-                  int part) {
-  STOCHATTN_PDL_ENTRY();
+__device__ __forceinline__ void prop_sample_row(
+    const long long row, const T* __restrict__ v, const int* __restrict__ seq_lens,
+    const PageTable& table, const float* __restrict__ logits,
+    const float* __restrict__ tile_m, const float* __restrict__ tile_l, double* __restrict__ C,
+    double* __restrict__ iid_points, int* __restrict__ idx32, long long* __restrict__ idx_out,
+    T* __restrict__ out, int Hq, int G, long long N, long long n_pad, long long n_tiles,
+    int tile_size, int S, long long ld, int sampler, unsigned long long seed, unsigned offset,
+    const void* __restrict__ seed_ptr, const void* __restrict__ offset_ptr, unsigned streams,
+    unsigned purpose, float* __restrict__ part_o, float* __restrict__ part_ml, int num_parts,
+    int part) {
   __shared__ double sm_d[kSampleWarps + 1];
   __shared__ int sm_i[kSampleWarps + 1];
   __shared__ float sm_f[kSampleWarps + 1];
@@ -481,24 +475,21 @@ santa_prop_sample(const T* __restrict__ v, const int* __restrict__ seq_lens,
   __shared__ float red[kSampleThreads * 8];  // gather partial sums: (threads / (D/8)) x D
 
   const int tid = threadIdx.x;
-  const long long row = blockIdx.x;  // b * Hq + h: also the random-stream row
   const int b = (int)(row / Hq), h = (int)(row % Hq);
   const int Hkv = Hq / G, kvh = h / G;
   seed = stream_seed(seed, seed_ptr, streams, b);
   offset = stream_offset(offset, offset_ptr, streams, b);
-  const PageTable table = page_table(kv_indptr, kv_indices, kv_last_page_len, page_size,
-                                     page_stride, row_stride, head_stride);
   const long long len = stream_length(seq_lens, table, b, N);
   T* orow = out + row * D;
-  int* ids = idx32 + row * S;
+  int* ids = idx32 + row * ld;
 
   if (len == 0) {  // empty sequence: zero output; indices 0 as the reference
     if (part_o) {
-      write_empty_part(part_o, part_ml, row, num_parts, part, D, S, idx_out);
+      write_empty_part(part_o, part_ml, row, num_parts, part, D, S, idx_out, ld);
     } else {
       for (int d = tid; d < D; d += kSampleThreads) orow[d] = Elem<T>::from_float(0.f);
       if (idx_out)
-        for (int m = tid; m < S; m += kSampleThreads) idx_out[row * S + m] = 0;
+        for (int m = tid; m < S; m += kSampleThreads) idx_out[row * ld + m] = 0;
     }
     return;
   }
@@ -516,9 +507,9 @@ santa_prop_sample(const T* __restrict__ v, const int* __restrict__ seq_lens,
   const double mstar = (double)sm_f[kSampleWarps];
   if (sm_f[kSampleWarps] == STOCHATTN_NEG_INF) {  // every row masked out: no mass
     if (part_o)  // Double-P's sampled variant: no token of the row is sampled
-      write_empty_part(part_o, part_ml, row, num_parts, part, D, S, idx_out);
+      write_empty_part(part_o, part_ml, row, num_parts, part, D, S, idx_out, ld);
     else  // a row of the sequence has a logit: only non-finite ones give -inf everywhere
-      write_nan_row<T>(orow, part_o, part_ml, row, num_parts, part, D, S, idx_out);
+      write_nan_row<T>(orow, part_o, part_ml, row, num_parts, part, D, S, idx_out, ld);
     return;
   }
 
@@ -541,7 +532,7 @@ santa_prop_sample(const T* __restrict__ v, const int* __restrict__ seq_lens,
   const int t_last = max(sm_i[kSampleWarps], 0);  // the max tile has W = l_t >= 1 > 0
   const double Z = Cr[T_b - 1];
   if (Z != Z) {  // a NaN m_t or l_t: the row read a non-finite logit (uniform over the block)
-    write_nan_row<T>(orow, part_o, part_ml, row, num_parts, part, D, S, idx_out);
+    write_nan_row<T>(orow, part_o, part_ml, row, num_parts, part, D, S, idx_out, ld);
     return;
   }
 
@@ -551,12 +542,12 @@ santa_prop_sample(const T* __restrict__ v, const int* __restrict__ seq_lens,
   P.S = S;
   P.rs = RngStream::make(seed, offset, purpose, (unsigned)row);
   P.u = (double)P.rs.uniform(0u, 0u);
-  P.iid = iid_points + row * (long long)(S + 1);
+  P.iid = iid_points + row * (ld + 1);
   if (sampler == SAMPLER_IID) {
     // E_i = -log(u_i), i = 0..S; prefix sums in float64; T_m = c_m / c_S. Every spacing is
     // >= 2^-25 (u < 1 - 2^-25), far above the rounding of the prefix, so the points stay
     // sorted whatever the scan's association.
-    double* pr = iid_points + row * (long long)(S + 1);
+    double* pr = iid_points + row * (ld + 1);
     const int n = S + 1;
     const int sg = (n + kSampleThreads - 1) / kSampleThreads;
     const int i0 = min(tid * sg, n), i1 = min(i0 + sg, n);
@@ -637,7 +628,7 @@ santa_prop_sample(const T* __restrict__ v, const int* __restrict__ seq_lens,
     }
     const int J = (int)tok0 + (r >= 0 ? r : max(lastp, 0));
     ids[m] = J;
-    if (idx_out) idx_out[row * S + m] = J;
+    if (idx_out) idx_out[row * ld + m] = J;
   }
   __syncthreads();
 
@@ -681,4 +672,273 @@ santa_prop_sample(const T* __restrict__ v, const int* __restrict__ seq_lens,
     part_ml[(row * num_parts + part) * 2] = (float)(mstar * 1.4426950408889634);
     part_ml[(row * num_parts + part) * 2 + 1] = (float)Z;
   }
+}
+
+// One CTA per (b, query head) row. With `part_o` null: writes out[row] = (1/S) sum v[J].
+// With `part_o` (Double-P's sampled variant, logits of unsampled tokens -inf): writes the
+// mean and (m* log2 e, Z) as partial `part` of `num_parts` for exact_decode_merge, and a
+// row without mass gets an empty partial and indices -1. `purpose`: the random stream's
+// purpose (philox.cuh). (The error-targeted budgets' pilot, docs/budgets.md, is this
+// kernel with purpose PURPOSE_BUDGET_PILOT, the stratified sampler and a partial: the
+// fp32 mean of the pilot's rows.)
+template <typename T, int D>
+__global__ void __launch_bounds__(kSampleThreads)
+santa_prop_sample(const T* __restrict__ v, const int* __restrict__ seq_lens,
+                  const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices,
+                  const int* __restrict__ kv_last_page_len, int page_size,
+                  long long page_stride, int row_stride, int head_stride,
+                  const float* __restrict__ logits, const float* __restrict__ tile_m,
+                  const float* __restrict__ tile_l, double* __restrict__ C,
+                  double* __restrict__ iid_points, int* __restrict__ idx32,
+                  long long* __restrict__ idx_out,
+                  T* __restrict__ out, int Hq, int G, long long N, long long n_pad,
+                  long long n_tiles, int tile_size, int S, int sampler,
+                  unsigned long long seed, unsigned offset, const void* __restrict__ seed_ptr,
+                  const void* __restrict__ offset_ptr, unsigned streams, unsigned purpose,
+                  float* __restrict__ part_o, float* __restrict__ part_ml, int num_parts,
+                  int part) {
+  STOCHATTN_PDL_ENTRY();
+  const PageTable table = page_table(kv_indptr, kv_indices, kv_last_page_len, page_size,
+                                     page_stride, row_stride, head_stride);
+  prop_sample_row<T, D>(blockIdx.x, v, seq_lens, table, logits, tile_m, tile_l, C, iid_points,
+                        idx32, idx_out, out, Hq, G, N, n_pad, n_tiles, tile_size, S,
+                        (long long)S, sampler, seed, offset, seed_ptr, offset_ptr, streams,
+                        purpose, part_o, part_ml, num_parts, part);
+}
+
+// ---- error-targeted budgets (docs/budgets.md, stochattn/reference/budgets.py) ----------
+#define STOCHATTN_INF_F64 (__longlong_as_double(0x7ff0000000000000ll))
+//
+// santa_prop_sample_budgets: santa_prop_sample with a per-row S read from `budgets`
+// (B * Hq int32, written on the device by santa_prop_budgets just before: no host sync,
+// graph-safe); idx32, iid_points and idx_out have the plan's `max_budget` columns
+// (max_budget + 1 for iid_points); idx_out's columns past a row's S are -1.
+template <typename T, int D>
+__global__ void __launch_bounds__(kSampleThreads)
+santa_prop_sample_budgets(const T* __restrict__ v, const int* __restrict__ seq_lens,
+                          const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices,
+                          const int* __restrict__ kv_last_page_len, int page_size,
+                          long long page_stride, int row_stride, int head_stride,
+                          const float* __restrict__ logits, const float* __restrict__ tile_m,
+                          const float* __restrict__ tile_l, double* __restrict__ C,
+                          double* __restrict__ iid_points, int* __restrict__ idx32,
+                          long long* __restrict__ idx_out,
+                          T* __restrict__ out, int Hq, int G, long long N, long long n_pad,
+                          long long n_tiles, int tile_size, const int* __restrict__ budgets,
+                          int max_budget, int sampler, unsigned long long seed, unsigned offset,
+                          const void* __restrict__ seed_ptr, const void* __restrict__ offset_ptr,
+                          unsigned streams, unsigned purpose) {
+  STOCHATTN_PDL_ENTRY();
+  const long long row = blockIdx.x;
+  const PageTable table = page_table(kv_indptr, kv_indices, kv_last_page_len, page_size,
+                                     page_stride, row_stride, head_stride);
+  int S = budgets[row];
+  S = S < 0 ? 0 : (S > max_budget ? max_budget : S);
+  // santa_prop_budgets gives S >= 1 to every non-empty row; kept safe whatever the buffer
+  // holds (S = 0 would divide by zero below).
+  if (S == 0 && stream_length(seq_lens, table, (int)(row / Hq), N) > 0) S = 1;
+  if (idx_out)
+    for (int m = S + threadIdx.x; m < max_budget; m += kSampleThreads)
+      idx_out[row * max_budget + m] = -1;
+  prop_sample_row<T, D>(row, v, seq_lens, table, logits, tile_m, tile_l, C, iid_points, idx32,
+                        idx_out, out, Hq, G, N, n_pad, n_tiles, tile_size, S,
+                        (long long)max_budget, sampler, seed, offset, seed_ptr, offset_ptr,
+                        streams, purpose, nullptr, nullptr, 0, 0);
+}
+
+// Sum of one float64 per thread over the block, in a fixed order (deterministic); every
+// thread gets the total. `sm`: kSampleWarps values. Contains __syncthreads.
+__device__ double block_sum_f64(double x, double* sm) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  if (lane == 0) sm[warp] = x;
+  __syncthreads();
+  double t = 0.0;
+  for (int w = 0; w < kSampleWarps; ++w) t += sm[w];
+  __syncthreads();  // sm is free again
+  return t;
+}
+
+// One CTA per (b, query head) row: the budget S of choose_budgets(norm="pilot") on the
+// device, between pass 1 and the sampling.
+//   m2 = sum_j exp(x_j - m*) ||v_j||^2 / sum_j exp(x_j - m*) over the sequence (float64
+//        sums of the stashed fp32 logits; m* = max_t m_t), ||v_j||^2 the float32 norms
+//        kept beside the cache: (B, Hkv, N) contiguous, or the V pool's shape without D
+//        for a paged cache (strides sq_*; pages through the page table);
+//   y  = ||o_p||, o_p the pilot's fp32 mean (santa_prop_sample on purpose
+//        PURPOSE_BUDGET_PILOT, stratified, `pilot_o` rows of D);
+//   L  = pilot_norm_lower(y, m2, k_pilot) (the closed-form smaller root, no cancellation);
+//   S  = min(max_budget, max(1, ceil(c_main (m2 - L^2) / (eps^2 L^2)))), compared in
+//        float64 before any int conversion, exactly in the reference's order of operations.
+// Writes budgets (int32), capped (int32 0/1), error_bound, norm_sq_lower (L^2) and
+// second_moment (m2), float64. Empty rows: S = 0, bound 0. Rows that read a NaN or an
+// infinity (m* not finite): S = 1 (the sampling writes their NaN row), capped, NaN bound.
+__global__ void __launch_bounds__(kSampleThreads)
+santa_prop_budgets(const float* __restrict__ logits, const float* __restrict__ tile_m,
+                   const int* __restrict__ seq_lens, const int* __restrict__ kv_indptr,
+                   const int* __restrict__ kv_indices, const int* __restrict__ kv_last_page_len,
+                   int page_size, long long page_stride, int row_stride, int head_stride,
+                   const float* __restrict__ sqnorms, long long sq_page_stride,
+                   int sq_row_stride, int sq_head_stride, const float* __restrict__ pilot_o,
+                   int* __restrict__ budgets, int* __restrict__ capped,
+                   double* __restrict__ error_bound, double* __restrict__ norm_sq_lower,
+                   double* __restrict__ second_moment, int Hq, int G, long long N,
+                   long long n_pad, long long n_tiles, int tile_size, int D, double eps,
+                   double c_main, double k_pilot, int max_budget) {
+  STOCHATTN_PDL_ENTRY();
+  __shared__ float sm_f[kSampleWarps + 1];
+  __shared__ double sm_d[kSampleWarps];
+  const long long row = blockIdx.x;  // b * Hq + h
+  const int tid = threadIdx.x;
+  const int b = (int)(row / Hq), h = (int)(row % Hq);
+  const int Hkv = Hq / G, kvh = h / G;
+  const PageTable table = page_table(kv_indptr, kv_indices, kv_last_page_len, page_size,
+                                     page_stride, row_stride, head_stride);
+  const long long len = stream_length(seq_lens, table, b, N);
+  if (len == 0) {
+    if (tid == 0) {
+      budgets[row] = 0;
+      capped[row] = 0;
+      error_bound[row] = 0.0;
+      norm_sq_lower[row] = 0.0;
+      second_moment[row] = 0.0;
+    }
+    return;
+  }
+  const int T_b = (int)((len + tile_size - 1) / tile_size);
+  const float* tm = tile_m + row * n_tiles;
+  float mxl = STOCHATTN_NEG_INF;
+  for (int t = tid; t < T_b; t += kSampleThreads) mxl = nan_max(mxl, tm[t]);
+  mxl = block_inclusive_scan(mxl, STOCHATTN_NEG_INF, MaxF(), sm_f);
+  if (tid == kSampleThreads - 1) sm_f[kSampleWarps] = mxl;
+  __syncthreads();
+  const float mstar_f = sm_f[kSampleWarps];
+  if (mstar_f != mstar_f || mstar_f == STOCHATTN_NEG_INF) {  // uniform over the block
+    if (tid == 0) {
+      budgets[row] = 1;
+      capped[row] = 1;
+      error_bound[row] = (double)STOCHATTN_NAN;
+      norm_sq_lower[row] = (double)STOCHATTN_NAN;
+      second_moment[row] = (double)STOCHATTN_NAN;
+    }
+    return;
+  }
+  const double mstar = (double)mstar_f;
+  const float* xrow = logits + row * n_pad;
+  const float* sq = sqnorms;
+  const int* pages = nullptr;
+  if (table.paged()) {
+    sq += (long long)kvh * sq_head_stride;
+    pages = table.indices + __ldg(table.indptr + b);
+  } else {
+    sq += ((long long)b * Hkv + kvh) * N;
+  }
+  double num = 0.0, den = 0.0;
+  for (long long j = tid; j < len; j += kSampleThreads) {
+    const double w = exp((double)xrow[j] - mstar);  // <= 1
+    long long at = j;
+    if (pages) {
+      const int p = (int)(j / page_size);
+      at = (long long)__ldg(pages + p) * sq_page_stride
+           + (j - (long long)p * page_size) * sq_row_stride;
+    }
+    den += w;
+    num += w * (double)__ldg(sq + at);
+  }
+  double y2 = 0.0;
+  for (int d = tid; d < D; d += kSampleThreads) {
+    const double o = (double)pilot_o[row * D + d];
+    y2 += o * o;
+  }
+  num = block_sum_f64(num, sm_d);
+  den = block_sum_f64(den, sm_d);
+  y2 = block_sum_f64(y2, sm_d);
+  if (tid != 0) return;
+  const double m2 = den > 0.0 ? num / den : 0.0;  // den >= 1: the max row adds exp(0)
+  // pilot_norm_lower (reference/budgets.py), same operations.
+  const double y = sqrt(y2);
+  const double yy = y * y;
+  const double k = k_pilot;
+  const double disc = fmax(k * ((1.0 + k) * m2 - yy), 0.0);
+  double root = (yy - k * m2) / (y + sqrt(disc));
+  if (yy > (1.0 + k) * m2) root = sqrt(m2 / (1.0 + k));
+  const double L = yy > k * m2 ? root : 0.0;
+  const double L2 = L * L;
+  const double var = fmax(m2 - L2, 0.0);
+  double need = L2 > 0.0 ? c_main * var / (eps * eps * L2) : STOCHATTN_INF_F64;
+  if (!(var > 0.0)) need = 1.0;  // every draw equals o: one is enough
+  const bool cap = need > (double)max_budget;  // float compare: inf never meets an int
+  const int S = cap ? max_budget : (int)fmax(ceil(fmin(need, (double)max_budget)), 1.0);
+  double bound = var > 0.0 ? sqrt(c_main * var / ((double)(S > 1 ? S : 1) * L2)) : 0.0;
+  if (!(L2 > 0.0 || var == 0.0)) bound = STOCHATTN_INF_F64;
+  budgets[row] = S;
+  capped[row] = cap ? 1 : 0;
+  error_bound[row] = bound;
+  norm_sq_lower[row] = L2;
+  second_moment[row] = m2;
+}
+
+// ---- ||v_j||^2 beside the cache (stochattn/value_norms.py) -----------------------------
+// out[i0, i1, i2] = sum_d float(v[i0, i1, i2, d])^2, accumulated in float64 (one warp per
+// row, a fixed xor tree: deterministic) and rounded once to float32. `dtype`: 0 float16,
+// 1 bfloat16, 2 float32. v's leading axes have strides vs* (elements; d has stride 1),
+// out's os*. Which rows:
+//   mode 0: all s0 * s1 * s2 of them;
+//   mode 1: append to a contiguous (B, H, N) cache: row r = (b, h, i) of B * H * count,
+//           token start[b] + i (rows outside [0, s2) skipped);
+//   mode 2: append to a paged cache's pool (page, slot, h) ("NHD", hnd = 0) or
+//           (page, h, slot) (hnd = 1): token start[b] + i of sequence b through the page
+//           table kv_indptr / kv_indices (tokens outside the sequence's pages skipped).
+constexpr int kNormThreads = 256;
+__global__ void __launch_bounds__(kNormThreads)
+value_sqnorms_rows(const void* __restrict__ v, int dtype, int D, long long rows, int mode,
+                   long long s0, long long s1, long long s2, long long vs0, long long vs1,
+                   long long vs2, float* __restrict__ out, long long os0, long long os1,
+                   long long os2, const int* __restrict__ start, int count,
+                   const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices,
+                   int page_size, int hnd, int H) {
+  STOCHATTN_PDL_ENTRY();
+  const long long r = (long long)blockIdx.x * (kNormThreads / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (r >= rows) return;
+  long long i0, i1, i2;
+  if (mode == 0) {
+    i0 = r / (s1 * s2);
+    i1 = (r / s2) % s1;
+    i2 = r % s2;
+  } else {
+    const long long b = r / ((long long)H * count);
+    const long long h = (r / count) % H;
+    const long long tok = (long long)__ldg(start + b) + r % count;
+    if (tok < 0) return;
+    if (mode == 1) {
+      if (tok >= s2) return;
+      i0 = b; i1 = h; i2 = tok;
+    } else {
+      const long long p0 = __ldg(kv_indptr + b), p1 = __ldg(kv_indptr + b + 1);
+      const long long pi = tok / page_size;
+      if (pi >= p1 - p0) return;
+      const long long page = __ldg(kv_indices + p0 + pi);
+      const long long slot = tok - pi * page_size;
+      i0 = page;
+      i1 = hnd ? h : slot;
+      i2 = hnd ? slot : h;
+    }
+  }
+  const long long at = i0 * vs0 + i1 * vs1 + i2 * vs2;
+  double acc = 0.0;
+  for (int d = lane; d < D; d += 32) {
+    float x;
+    if (dtype == 0)
+      x = Elem<f16>::to_float(static_cast<const unsigned short*>(v)[at + d]);
+    else if (dtype == 1)
+      x = Elem<bf16>::to_float(static_cast<const unsigned short*>(v)[at + d]);
+    else
+      x = static_cast<const float*>(v)[at + d];
+    acc += (double)x * (double)x;
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (lane == 0) out[i0 * os0 + i1 * os1 + i2 * os2] = (float)acc;
 }

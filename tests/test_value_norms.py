@@ -1,0 +1,117 @@
+"""Squared value norms beside the cache (stochattn/value_norms.py), host side: against a
+direct NumPy computation, for contiguous caches and paged pools (both layouts), and the
+append form that an engine calls after writing V. The GPU kernel is checked against the
+same in tests/gpu/test_cuda_santa_budgets.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stochattn.paged import from_contiguous
+from stochattn.reference.budgets import value_sqnorms as ref_value_sqnorms
+from stochattn.value_norms import append_value_sqnorms, sqnorms_shape, value_sqnorms
+
+
+def _direct(v):
+    """sum_d v_d^2 row by row in float64, then float32."""
+    v = np.asarray(v, dtype=np.float64)
+    out = np.zeros(v.shape[:-1])
+    for idx in np.ndindex(*v.shape[:-1]):
+        out[idx] = float(np.sum(v[idx] * v[idx]))
+    return out.astype(np.float32)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_contiguous_norms_match_direct(dtype):
+    rng = np.random.default_rng(0)
+    v = (rng.standard_normal((2, 3, 17, 8)) * 3).astype(dtype)
+    got = value_sqnorms(v)
+    assert got.dtype == np.float32 and got.shape == (2, 3, 17)
+    np.testing.assert_array_equal(got, _direct(v))
+    # The reference's float64 norms, rounded once.
+    np.testing.assert_array_equal(got, ref_value_sqnorms(v).astype(np.float32))
+
+
+def test_out_is_written_and_checked():
+    v = np.random.default_rng(1).standard_normal((1, 2, 5, 4)).astype(np.float16)
+    out = np.full((1, 2, 5), -1.0, dtype=np.float32)
+    assert value_sqnorms(v, out=out) is out
+    np.testing.assert_array_equal(out, _direct(v))
+    with pytest.raises(TypeError, match="`out`"):
+        value_sqnorms(v, out=np.zeros((1, 2, 5)))
+    with pytest.raises(ValueError, match="`out`"):
+        value_sqnorms(v, out=np.zeros((1, 2, 6), dtype=np.float32))
+    with pytest.raises(ValueError, match="`v`"):
+        value_sqnorms(v[0])
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_paged_norms_follow_the_page_table(layout, page_size):
+    rng = np.random.default_rng(2)
+    B, H, N, D = 3, 2, 37, 8
+    k = rng.standard_normal((B, H, N, D)).astype(np.float16)
+    v = rng.standard_normal((B, H, N, D)).astype(np.float16)
+    lens = np.array([37, 0, 20])
+    cache = from_contiguous(k, v, lens, page_size=page_size, layout=layout, shuffle_seed=5)
+    sq = value_sqnorms(cache)
+    assert sq.shape == sqnorms_shape(cache) == tuple(cache.v_pages.shape[:-1])
+    np.testing.assert_array_equal(sq, _direct(cache.v_pages))
+    # Through the page table, the norm of token n of (b, h) is the contiguous one.
+    want = _direct(v)
+    indptr, idx = np.asarray(cache.kv_indptr), np.asarray(cache.kv_indices)
+    for b in range(B):
+        for n in range(lens[b]):
+            page, slot = idx[indptr[b] + n // page_size], n % page_size
+            row = sq[page, slot] if layout == "NHD" else sq[page, :, slot]
+            np.testing.assert_array_equal(row, want[b, :, n])
+
+
+def test_append_contiguous_updates_only_the_new_rows():
+    rng = np.random.default_rng(3)
+    v = rng.standard_normal((2, 3, 10, 8)).astype(np.float32)
+    sq = value_sqnorms(v)
+    start = np.array([4, 9])
+    v[0, :, 4:6] = rng.standard_normal((3, 2, 8))
+    v[1, :, 9] = rng.standard_normal((3, 8))
+    v[1, :, 0] = 100.0  # written but not announced: stays stale
+    stale = sq.copy()
+    assert append_value_sqnorms(v, sq, start, count=2) is sq  # token 10 of b = 1 is past N
+    want = stale.copy()
+    full = _direct(v)
+    want[0, :, 4:6] = full[0, :, 4:6]
+    want[1, :, 9] = full[1, :, 9]
+    np.testing.assert_array_equal(sq, want)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_append_paged_equals_recomputing(layout):
+    rng = np.random.default_rng(4)
+    B, H, N, D, P = 2, 2, 24, 8, 8
+    k = rng.standard_normal((B, H, N, D)).astype(np.float16)
+    v = rng.standard_normal((B, H, N, D)).astype(np.float16)
+    lens = np.array([24, 13])
+    cache = from_contiguous(k, v, lens, page_size=P, layout=layout)
+    sq = value_sqnorms(cache)
+    pool = cache.v_pages
+    # Overwrite the last token of each sequence in the pool, then append its norms.
+    indptr, idx = np.asarray(cache.kv_indptr), np.asarray(cache.kv_indices)
+    for b in range(B):
+        n = lens[b] - 1
+        page, slot = idx[indptr[b] + n // P], n % P
+        at = (page, slot) if layout == "NHD" else (page, slice(None), slot)
+        pool[at] = rng.standard_normal(pool[at].shape).astype(np.float16)
+    append_value_sqnorms(cache, sq, lens - 1, count=2)  # the second token has no page: skipped
+    np.testing.assert_array_equal(sq, _direct(pool))
+
+
+def test_append_checks_arguments():
+    v = np.zeros((1, 1, 4, 8), dtype=np.float32)
+    sq = value_sqnorms(v)
+    with pytest.raises(ValueError, match="`count`"):
+        append_value_sqnorms(v, sq, 0, count=0)
+    with pytest.raises(TypeError, match="`sqnorms`"):
+        append_value_sqnorms(v, sq.astype(np.float64), 0)
+    with pytest.raises(ValueError, match="`sqnorms`"):
+        append_value_sqnorms(v, sq[:, :, :3], 0)
