@@ -23,6 +23,7 @@ from .doublep import (ClusterTopKPlan, DoublePIndex, DoublePPlan, build_doublep_
 from .exact import ExactPlan, exact_attention
 from .paged import PagedKV, paged_kv
 from .santa import SantaPlan, santa_attention
+from .value_norms import append_value_sqnorms, value_sqnorms
 
 __version__ = "0.1.0.dev0"
 
@@ -50,4 +51,6 @@ __all__ = [
     "santa_attention",
     "top_p_attention",
     "topk_attention",
+    "value_sqnorms",
+    "append_value_sqnorms",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from . import _validation as val
@@ -13,6 +15,10 @@ from .reference.common import finish, lengths, union_rows_per_kv_head
 from .spec import SAMPLERS, SCHEDULES, SCORES
 
 __all__ = ["SantaPlan", "santa_attention"]
+
+# Error-targeted budgets on the GPU are opt-in until their GPU tests have run on a GPU
+# (docs/budgets.md, "GPU"): set this environment variable to "1".
+GPU_BUDGETS_ENV = "STOCHATTN_GPU_BUDGETS"
 
 
 class SantaPlan(Plan):
@@ -139,8 +145,21 @@ softmax_scale, check_finite
 
     def _cuda_missing(self) -> list[str]:
         if self.eps is not None:
-            return ["error-targeted budgets (`eps`, `delta`): reference only until pass 1 "
-                    "reads |v|^2 (docs/budgets.md)"]
+            missing = []
+            if os.environ.get(GPU_BUDGETS_ENV) != "1":
+                # Built (stochattn.cuda.santa.santa_prop_targeted) but not yet run on a GPU:
+                # opt-in until tests/gpu/test_cuda_santa_budgets.py has passed on one.
+                missing.append(f"error-targeted budgets (`eps`) on the GPU are built but not yet "
+                               f"verified on a GPU; set {GPU_BUDGETS_ENV}=1 to use them "
+                               "(docs/budgets.md)")
+            if self.schedule != "prop":
+                missing.append("error-targeted budgets (`eps`) with schedule="
+                               f"{self.schedule!r}; the GPU has them with schedule='prop' "
+                               "(flash would need per-head S_t)")
+            if self.budget_norm != "pilot":
+                missing.append(f"budget_norm={self.budget_norm!r} (the studentised pilot is "
+                               "reference only; the GPU has budget_norm='pilot')")
+            return missing
         if self.schedule == "global":
             return ["schedule='global'; the GPU has 'prop' and 'flash'"]
         if self.scores != "exact" and self.schedule != "prop":
@@ -155,6 +174,10 @@ softmax_scale, check_finite
         sizes = santa.TILE_SIZES if self.schedule == "prop" else flash.TILE_SIZES
         if self.tile_size not in sizes:
             raise ValueError(f"`tile_size` must be one of {sizes} on the GPU, got {self.tile_size}")
+        if self.eps is not None:
+            inputs.check_gpu_budget(self.max_budget)
+            inputs.check_gpu_budget(self.pilot)
+            return
         inputs.check_gpu_budget(self.budget, 2**30 if self.schedule == "prop"
                                  else flash.FLASH_MAX_BUDGET)
 
@@ -163,11 +186,15 @@ softmax_scale, check_finite
 
     def _run(self, backend, q, k, v, seq_lens, diagnose, call):
         out, workspace = self._buffers(call)
+        v_sqnorms = call.pop("v_sqnorms", None)
+        if v_sqnorms is not None and self.eps is None:
+            raise TypeError("`v_sqnorms` is read only with error-targeted budgets (`eps`)")
         seed, offset = self._streams(backend, q, call)
         if backend == "cuda":
-            result = _santa_cuda(q, k, v, seq_lens, self, seed, offset, diagnose, out, workspace)
+            result = _santa_cuda(q, k, v, seq_lens, self, seed, offset, diagnose, out, workspace,
+                                 v_sqnorms)
         else:
-            result = _santa_reference(q, k, v, seq_lens, self, seed, offset, diagnose)
+            result = _santa_reference(q, k, v, seq_lens, self, seed, offset, diagnose, v_sqnorms)
         if self.advance_offset:
             advance(offset)
         return result
@@ -178,7 +205,7 @@ def santa_attention(q, k, v=None, seq_lens=None, *, budget=None, sampler="system
                     bernoulli_draws=4, bernoulli_group_shared=False, softmax_scale=None,
                     check_finite=False, return_diagnostics=False, eps=None, delta=None,
                     max_budget=None, budget_rule="chebyshev", pilot=64, pilot_share=0.25,
-                    budget_norm="pilot"):
+                    budget_norm="pilot", v_sqnorms=None):
     """Sampled decode attention: the mean of ``budget`` V rows drawn from the softmax.
 
     For every sequence b and query head h the output is an estimate of the exact attention
@@ -203,7 +230,8 @@ def santa_attention(q, k, v=None, seq_lens=None, *, budget=None, sampler="system
     eps, delta, max_budget : float, float, int, optional
         Error-targeted budgets instead of ``budget`` (docs/budgets.md): per query head the
         smallest S with P(|o_hat - o| > eps |o|) <= delta, capped at ``max_budget``
-        (reference only; exact scores only).
+        (exact scores only; on the GPU with schedule="prop" and budget_norm="pilot",
+        chosen on the device, which then needs ``v_sqnorms``).
     budget_rule : {"chebyshev", "clt"}
         Tail bound of the error-targeted budgets: Chebyshev (safe) or the one-degree
         chi-square quantile (smaller; delta <= 0.2; validated on generated inputs).
@@ -214,7 +242,11 @@ def santa_attention(q, k, v=None, seq_lens=None, *, budget=None, sampler="system
         How the pilot bounds |o| from below: ``"pilot"`` (default) the worst-case bound,
         ``"student"`` the studentised bound along the pilot's direction (asymptotic;
         1.7-2.8x the oracle budget on SmolLM2 heads at ``pilot=512``, against 2.1-4.4x for
-        the best-sized ``"pilot"``; ``pilot`` >= 4; docs/budgets.md).
+        the best-sized ``"pilot"``; ``pilot`` >= 4; docs/budgets.md; reference only).
+    v_sqnorms : array, optional
+        ||v_j||^2 per token kept beside the cache (:func:`stochattn.value_norms.value_sqnorms`;
+        only with ``eps``). GPU: required, float32, (B, Hkv, N), or the V pool's shape
+        without D for a paged cache. Reference: optional (computed from ``v``), (B, Hkv, N).
     sampler : {"systematic", "stratified", "iid"}
         How the S points in [0, 1) are drawn before inverting the CDF of A:
         ``"iid"`` independent uniforms (SANTA); ``"stratified"`` one uniform in each of
@@ -297,11 +329,14 @@ def santa_attention(q, k, v=None, seq_lens=None, *, budget=None, sampler="system
                        softmax_scale=softmax_scale, check_finite=check_finite, eps=eps,
                        delta=delta, max_budget=max_budget, budget_rule=budget_rule,
                        pilot=pilot, pilot_share=pilot_share, budget_norm=budget_norm)
+    call = dict(seed=seed, offset=offset)
+    if v_sqnorms is not None:
+        call["v_sqnorms"] = v_sqnorms
     return plan.dispatch(q, k, v, seq_lens, val.check_bool("return_diagnostics", return_diagnostics),
-                         dict(seed=seed, offset=offset))
+                         call)
 
 
-def _santa_reference(q, k, v, seq_lens, plan, seed, offset, diagnose):
+def _santa_reference(q, k, v, seq_lens, plan, seed, offset, diagnose, v_sqnorms=None):
     from ._backend import backend_of
 
     backend_of(q=q, k=k, v=v, seq_lens=seq_lens)  # host seq_lens only, for the reference
@@ -325,7 +360,8 @@ def _santa_reference(q, k, v, seq_lens, plan, seed, offset, diagnose):
             max_budget=plan.max_budget, rule=plan.budget_rule, norm=plan.budget_norm,
             pilot=plan.pilot,
             pilot_share=plan.pilot_share, sampler=plan.sampler, schedule=plan.schedule,
-            tile_size=plan.tile_size, seed=seed, offset=offset)
+            tile_size=plan.tile_size, seed=seed, offset=offset,
+            v_sqnorms=_reference_sqnorms(v_sqnorms, shape))
     else:
         res = _ref.santa_attention(q, k, v, seq_lens, scale, budget=plan.budget,
                                    sampler=plan.sampler, schedule=plan.schedule,
@@ -352,9 +388,25 @@ def _santa_reference(q, k, v, seq_lens, plan, seed, offset, diagnose):
     return out, diag
 
 
+def _reference_sqnorms(v_sqnorms, shape):
+    """The reference's ||v_j||^2: None (computed from v in float64), or the caller's
+    (B, Hkv, N) NumPy array (a paged cache's pool-shaped norms are not taken: the reference
+    reads a contiguous copy of the cache and computes them)."""
+    if v_sqnorms is None:
+        return None
+    if not isinstance(v_sqnorms, np.ndarray):
+        raise TypeError(f"`v_sqnorms` must be a NumPy array on the reference, got "
+                        f"{type(v_sqnorms).__name__}")
+    want = (shape.batch, shape.kv_heads, shape.tokens)
+    if tuple(v_sqnorms.shape) != want:
+        raise ValueError(f"`v_sqnorms` must have shape {want} (B, Hkv, N) on the reference, got "
+                         f"{tuple(v_sqnorms.shape)}")
+    return v_sqnorms
+
+
 @in_callers_framework()
 def _santa_cuda(q, k, v, seq_lens, plan, seed, offset, return_diagnostics, out=None,
-                workspace=None):
+                workspace=None, v_sqnorms=None):
     """GPU arrays: the S²ANTA-prop (exact or Bernoulli scores) and S²ANTA-flash kernels.
     ``k`` may be a GPU PagedKV (``v``, ``seq_lens`` None): both schedules read it in place.
     ``out`` and ``workspace`` go to the kernels' host modules (None: allocated)."""
@@ -364,6 +416,9 @@ def _santa_cuda(q, k, v, seq_lens, plan, seed, offset, return_diagnostics, out=N
         # A paged cache's pools are not checked: their unused pages and slots may hold
         # anything (the kernels never read them).
         val.check_finite(q=q) if paged else val.check_finite(q=q, k=k, v=v)
+    if plan.eps is not None:
+        return _santa_cuda_targeted(q, k, v, seq_lens, plan, seed, offset, return_diagnostics,
+                                    out, workspace, v_sqnorms)
     budget = plan.budget
     common = dict(budget=budget, sampler=plan.sampler, tile_size=plan.tile_size, seed=seed,
                   offset=offset, softmax_scale=plan.softmax_scale,
@@ -393,9 +448,13 @@ def _santa_cuda(q, k, v, seq_lens, plan, seed, offset, return_diagnostics, out=N
         extra = dict(samples_per_tile=samples, sample_waste=waste)
     # Diagnostics copy the sampled indices to the host (a synchronisation); flash pads its
     # per-tile index slots with -1.
-    idx = host_ints(idx)
+    return out, _cuda_diagnostics(host_ints(idx), k, seq_lens, extra)
+
+
+def _cuda_diagnostics(idx, k, seq_lens, extra):
+    """Diagnostics of a GPU call from its host indices (B, Hq, *) (-1: no draw)."""
     B = idx.shape[0]
-    if paged:
+    if is_paged(k):
         Hkv, N = k.kv_heads, k.token_bound
         lens = np.clip(host_ints(k.seq_lens), 0, N)  # as the kernels clamp them
     else:
@@ -404,5 +463,31 @@ def _santa_cuda(q, k, v, seq_lens, plan, seed, offset, return_diagnostics, out=N
     groups = idx.reshape(B, Hkv, -1)  # the draws of every query head of a KV group
     v_rows = np.array([[np.unique(g[g >= 0]).size if lens[b] > 0 else 0
                         for g in groups[b]] for b in range(B)], dtype=np.int64)
-    return out, Diagnostics(seq_lens=lens, k_rows_read=np.repeat(lens[:, None], Hkv, axis=1),
-                            v_rows_read=v_rows, **extra)
+    return Diagnostics(seq_lens=lens, k_rows_read=np.repeat(lens[:, None], Hkv, axis=1),
+                       v_rows_read=v_rows, **extra)
+
+
+def _santa_cuda_targeted(q, k, v, seq_lens, plan, seed, offset, return_diagnostics, out,
+                         workspace, v_sqnorms):
+    """Error-targeted budgets on the GPU (S²ANTA-prop; stochattn.cuda.santa.santa_prop_targeted):
+    the budgets are chosen on the device. Diagnostics copy the indices and the budgets to
+    the host (a synchronisation); ``v_rows_read`` counts the main draws (not the pilot's),
+    as the reference does."""
+    from .cuda.santa import santa_prop_targeted
+
+    res = santa_prop_targeted(q, k, v, seq_lens, v_sqnorms=v_sqnorms, eps=plan.eps,
+                              delta=plan.delta, max_budget=plan.max_budget,
+                              rule=plan.budget_rule, norm=plan.budget_norm, pilot=plan.pilot,
+                              pilot_share=plan.pilot_share, sampler=plan.sampler,
+                              tile_size=plan.tile_size, seed=seed, offset=offset,
+                              softmax_scale=plan.softmax_scale,
+                              check_seq_lens=plan.check_finite,
+                              return_indices=return_diagnostics,
+                              return_budgets=return_diagnostics, out=out, workspace=workspace)
+    if not return_diagnostics:
+        return res
+    out, idx, _pilot_idx, dev = res
+    extra = dict(budget=host_ints(dev.budget).astype(np.int64),
+                 budget_capped=host_ints(dev.capped).astype(bool),
+                 error_bound=host_floats(dev.error_bound))
+    return out, _cuda_diagnostics(host_ints(idx), k, seq_lens, extra)

@@ -51,7 +51,8 @@ from .runtime import workspace as _workspace
 from .config import get_config
 from .kernels import group_max
 
-__all__ = ["santa_prop", "TILE_SIZES", "KERNELS", "workspace_bytes"]
+__all__ = ["santa_prop", "santa_prop_targeted", "DeviceBudgets", "TILE_SIZES", "KERNELS",
+           "workspace_bytes", "targeted_workspace_bytes"]
 
 _FAMILY = "santa_prop"
 # Block sizes and work per CTA that the kernels were compiled for (santa_prop.cu,
@@ -475,3 +476,246 @@ def _check_feature_major(meta, inp, s, device):
 def sampler_code(sampler: str) -> int:
     """The kernels' code of a sampler (philox.cuh: enum Sampler, SAMPLER_<NAME>)."""
     return abi.enum(_FAMILY, "Sampler")["SAMPLER_" + sampler.upper()]
+
+
+# ---- error-targeted budgets (docs/budgets.md, "GPU") ------------------------------------
+
+class DeviceBudgets(NamedTuple):
+    """The budgets of one :func:`santa_prop_targeted` call, as GPU arrays (B, Hq) of q's
+    framework: ``budget`` (int32, S of the main draws, 0 for empty sequences), ``capped``
+    (int32 0/1: the rule asked for more than ``max_budget``, or ||o|| could not be
+    bounded), ``error_bound`` (float64: the relative tolerance the chosen S guarantees at
+    delta; inf when L = 0), ``norm_sq_lower`` (float64 L^2) and ``second_moment`` (float64
+    m2), as :class:`stochattn.reference.budgets.BudgetChoice` has them."""
+
+    budget: object
+    capped: object
+    error_bound: object
+    norm_sq_lower: object
+    second_moment: object
+
+
+# santa_prop_budgets' per-call arguments (its page table after seq_lens), and the pilot's
+# and the main sampling's.
+_BUDGETS_VARIABLE = (("logits", "tile_m", "seq_lens") + PAGE_VARIABLE
+                     + ("sqnorms", "sq_page_stride", "sq_row_stride", "sq_head_stride",
+                        "pilot_o", "budgets", "capped", "error_bound", "norm_sq_lower",
+                        "second_moment"))
+_PILOT_VARIABLE = SAMPLE_VARIABLE + PAGE_VARIABLE + ("part_o", "part_ml")
+_MAIN_VARIABLE = SAMPLE_VARIABLE + ("budgets",) + PAGE_VARIABLE
+_BUDGET_FIELDS = (("budget", "int32", 4), ("capped", "int32", 4), ("error_bound", "float64", 8),
+                  ("norm_sq_lower", "float64", 8), ("second_moment", "float64", 8))
+
+
+def santa_prop_targeted(q, k, v, seq_lens=None, *, v_sqnorms, eps, delta, max_budget,
+                        rule="chebyshev", norm="pilot", pilot=64, pilot_share=0.25,
+                        sampler="systematic", tile_size=64, seed=0, offset=0,
+                        softmax_scale=None, return_indices=False, return_budgets=False,
+                        check_seq_lens=False, kernel=None, out=None, workspace=None):
+    """S²ANTA-prop with error-targeted budgets on the GPU: per (sequence, query head) the S
+    of :func:`stochattn.reference.budgets.choose_budgets` (``norm="pilot"``), chosen on the
+    device between pass 1 and the sampling, then the S-point estimate.
+
+    Launches, all on the caller's stream, none reading anything back to the host:
+
+    1. pass 1 as :func:`santa_prop` (logits stash, tile max m_t and sum l_t);
+    2. the pilot: ``santa_prop_sample`` with ``pilot`` stratified points on purpose
+       PURPOSE_BUDGET_PILOT (stream 0, row b * Hq + h), writing the fp32 mean o_p of the
+       drawn rows (the reference's pilot draws, the same Philox points);
+    3. ``santa_prop_budgets``: m2 = sum_j p_j ||v_j||^2 from the stash and ``v_sqnorms``,
+       L from ||o_p|| and m2 (the reference's closed form), S per head into a device
+       (B, Hq) int32 array, with the capped flag and the error bound;
+    4. ``santa_prop_sample_budgets``: the main draws of every row with its own S (purpose
+       0: a row with S draws exactly what a fixed-S call draws).
+
+    The scratch is sized by ``max_budget`` (fixed by the plan), so the call is graph-safe
+    with ``out=`` and a kept ``workspace=`` (and device seed / offset arrays).
+
+    Parameters
+    ----------
+    q, k, v, seq_lens, sampler, tile_size, seed, offset, softmax_scale, check_seq_lens, \
+kernel, out, workspace
+        As in :func:`santa_prop` (exact scores only).
+    v_sqnorms : GPU array of float32
+        ||v_j||^2 beside the cache (:func:`stochattn.value_norms.value_sqnorms`):
+        (B, Hkv, N) for a contiguous cache, the V pool's shape without D for a paged one.
+        Contiguous, on q's GPU and framework. Required.
+    eps, delta, max_budget, rule, pilot, pilot_share
+        As in :func:`stochattn.reference.budgets.choose_budgets` (same checks, same
+        messages). ``max_budget`` <= 2**30.
+    norm : {"pilot"}
+        The studentised bound (``"student"``) is reference only for now.
+    return_indices : bool
+        Also return the main draws' token indices, int64 (B, Hq, max_budget), row (b, h)
+        holding its S indices then -1, and the pilot's, int64 (B, Hq, pilot).
+    return_budgets : bool
+        Also return a :class:`DeviceBudgets` (fresh arrays; the kernel writes them).
+
+    Returns
+    -------
+    out, then (indices, pilot_indices) with ``return_indices``, then DeviceBudgets with
+    ``return_budgets``.
+    """
+    seed, offset = inputs.check_stream_words(seed, offset)
+    inp = inputs.gather(q, k, v)
+    cfg = get_config(inp.device)
+    opts = (eps, delta, max_budget, rule, norm, pilot, pilot_share, sampler, tile_size,
+            softmax_scale, bool(return_indices), bool(return_budgets), kernel)
+    key = ("santa_prop_targeted", inp.key, cfg, tuple(type(o) for o in opts), opts)
+    plan = inputs.cached_plan(key, lambda: _TargetedPlan(inp, cfg, *opts))
+    return plan.run(inp, seq_lens, check_seq_lens, seed, offset, v_sqnorms, out, workspace)
+
+
+def targeted_workspace_bytes(batch, q_heads, kv_heads, tokens, head_dim, max_budget, pilot, *,
+                             tile_size=64, sampler="systematic") -> int:
+    """Scratch bytes of one :func:`santa_prop_targeted` call: :func:`workspace_bytes` at
+    S = ``max_budget`` plus, per (b, h) row, the pilot's mean (4 D), its drawn rows
+    (4 ``pilot``), its partial (8) and the budgets (32)."""
+    rows, groups = batch * q_heads, batch * kv_heads
+    n_tiles = math.ceil(tokens / tile_size)
+    return launch.layout(_scratch_sizes(rows, groups, n_tiles * tile_size, n_tiles, max_budget,
+                                        head_dim, sampler)
+                         + _targeted_sizes(rows, head_dim, pilot))[1]
+
+
+def _targeted_sizes(rows, D, pilot) -> tuple:
+    """pilot_o (f32 rows x D), pilot_ml (f32 rows x 2), pilot idx32 (i32 rows x pilot), then
+    the budget fields (_BUDGET_FIELDS, rows each)."""
+    return (4 * rows * D, 8 * rows, 4 * rows * pilot) + tuple(n * rows for _, _, n in
+                                                              _BUDGET_FIELDS)
+
+
+class _TargetedPlan:
+    """One configuration of :func:`santa_prop_targeted`: a :class:`_PropPlan` sized by
+    ``max_budget`` for pass 1 and the scratch, plus the pilot, budget and per-row sampling
+    launches."""
+
+    def __init__(self, inp, cfg, eps, delta, max_budget, rule, norm, pilot, pilot_share,
+                 sampler, tile_size, softmax_scale, return_indices, return_budgets, kernel):
+        from ..reference import budgets as _budgets
+        from ..spec import PURPOSE_BUDGET_PILOT
+
+        _budgets.check_options(eps, delta, max_budget, rule, norm, pilot, pilot_share)
+        if norm == "oracle":
+            raise ValueError("`norm` must be 'pilot' ('oracle' reads all of V: a yardstick of "
+                             "the reference, not an option)")
+        if norm != "pilot":
+            raise NotImplementedError("`norm='student'` (the studentised pilot) is reference "
+                                      "only; the GPU has norm='pilot'")
+        inputs.check_gpu_budget(max_budget)
+        inputs.check_gpu_budget(pilot)
+        score = _ScoreStage.of("exact", 4, False, None, False)
+        tiling = _pass1_tiling(kernel, score, cfg.prop_tc_tiling)
+        # Pass 1, the scratch layout and max_budget's checks are prop's at S = max_budget.
+        self.base = base = _PropPlan(inp, int(max_budget), sampler, tile_size, softmax_scale,
+                                     None, cfg, score, tiling)
+        s = base.shape
+        self.shape, self.device = s, base.device
+        self.max_budget, self.pilot = int(max_budget), int(pilot)
+        self.return_indices, self.return_budgets = return_indices, return_budgets
+        delta_pilot = float(pilot_share) * float(delta)
+        delta_main = float(delta) - delta_pilot
+        self.c_main = _budgets.tail_factor(rule, delta_main)
+        self.k_pilot = _budgets.tail_factor(rule, delta_pilot) / self.pilot
+        self.eps = float(eps)
+        self.paged = not isinstance(inp, inputs.Inputs)
+        self.layout = inp.cache.layout if self.paged else None
+        rows = s.batch * s.q_heads
+        ts = int(tile_size)
+        n_tiles = math.ceil(s.tokens / ts)
+        n_pad = n_tiles * ts
+        sizes = (_scratch_sizes(rows, s.batch * s.kv_heads, n_pad, n_tiles, self.max_budget,
+                                s.head_dim, sampler)
+                 + _targeted_sizes(rows, s.head_dim, self.pilot))
+        self.offsets, self.scratch_bytes = launch.layout(sizes)
+        dtype_name = inputs.base_plan(inp, softmax_scale)[3]
+        ctype = kernels.CTYPES[dtype_name]
+        pdl = cfg.tiling.pdl
+        k = functools.partial(abi.kernel, _FAMILY)
+        p = launch.Packed
+        with inputs.device_scope(self.device):
+            sample = launch.launcher(_FAMILY, k("santa_prop_sample").expr(T=ctype, D=s.head_dim),
+                                     0, cfg)
+            main_decl = k("santa_prop_sample_budgets")
+            main = launch.Launcher(extra_kernel(main_decl.expr(T=ctype, D=s.head_dim), cfg))
+            budgets = launch.Launcher(extra_kernel("santa_prop_budgets", cfg))
+        common = dict(Hq=s.q_heads, G=s.group, N=s.tokens, n_pad=n_pad, n_tiles=n_tiles,
+                      tile_size=ts)
+        # The pilot: the reference's pilot points (stratified, purpose 4, stream 0), the fp32
+        # mean of their rows as a partial (no rounding to q's dtype).
+        self.pilot_launch = p(sample, base.grid2, (_SAMPLE_THREADS,),
+                              k("santa_prop_sample").bind(
+                                  _PILOT_VARIABLE, S=self.pilot,
+                                  sampler=sampler_code("stratified"),
+                                  purpose=PURPOSE_BUDGET_PILOT, num_parts=1, part=0, **common),
+                              pdl=pdl)
+        self.budgets_launch = p(budgets, base.grid2, (_SAMPLE_THREADS,),
+                                k("santa_prop_budgets").bind(
+                                    _BUDGETS_VARIABLE, D=s.head_dim, eps=self.eps,
+                                    c_main=self.c_main, k_pilot=self.k_pilot,
+                                    max_budget=self.max_budget, **common),
+                                pdl=pdl)
+        self.main_launch = p(main, base.grid2, (_SAMPLE_THREADS,),
+                             main_decl.bind(_MAIN_VARIABLE, max_budget=self.max_budget,
+                                            sampler=sampler_code(sampler),
+                                            purpose=PURPOSE_VALUE_SAMPLER, **common),
+                             pdl=pdl)
+        self.norms_shape = None if self.paged else (s.batch, s.kv_heads, s.tokens)
+
+    def _norms(self, inp, v_sqnorms):
+        """(pointer, page stride, row stride, head stride) of the checked norms."""
+        if v_sqnorms is None:
+            raise ValueError("`v_sqnorms` is required with error-targeted budgets: ||v_j||^2 "
+                             "per token as float32 beside the cache (stochattn.value_norms."
+                             "value_sqnorms(v))")
+        ops = inp.ops
+        if self.paged:
+            pool = tuple(int(n) for n in ops.meta(inp.v)[1])
+            shape = pool[:-1]
+            P, a1, a2 = shape
+            # Contiguous (P, page_size, Hkv) ("NHD") or (P, Hkv, page_size) ("HND").
+            strides = (a1 * a2, a2, 1) if self.layout == "NHD" else (a1 * a2, 1, a2)
+        else:
+            shape, strides = self.norms_shape, (0, 0, 0)
+        ptr = _workspace._check_array("v_sqnorms", ops, v_sqnorms, shape, "float32", self.device,
+                                      align=4)
+        return (np.uint64(ptr),) + strides
+
+    def run(self, inp, seq_lens, check_seq_lens, seed, offset, v_sqnorms, out=None,
+            workspace=None):
+        ops = inp.ops
+        s, base = self.shape, self.base
+        with inputs.device_scope(self.device):
+            norms = self._norms(inp, v_sqnorms)
+            qp, kp, vp, lens, _keep, stream = inputs.launch_args(inp, seq_lens, check_seq_lens, s,
+                                                                  self.device)
+            pg = pages.page_args(inp)
+            rs, _keep_rs = inputs.stream_args(inp, seed, offset, s.batch, self.device)
+            ptr, _scratch = _workspace.scratch(ops, inp.q, self.scratch_bytes, workspace,
+                                               self.device)
+            (logits, tile_m, tile_l, C, iid, idx32, _qhat, _feat, _nfeat, _frac, pilot_o, pilot_ml,
+             pilot_idx, *fields) = (ptr + o for o in self.offsets)
+            out = _workspace.output(ops, inp.q, base.out_shape, None, out, self.device)
+            outp = ops.ptr(out)
+            extra = ()
+            idxp = pidxp = 0
+            if self.return_indices:
+                indices = ops.empty(inp.q, (s.batch, s.q_heads, self.max_budget), "int64")
+                pilot_indices = ops.empty(inp.q, (s.batch, s.q_heads, self.pilot), "int64")
+                idxp, pidxp = ops.ptr(indices), ops.ptr(pilot_indices)
+                extra += (indices, pilot_indices)
+            if self.return_budgets:
+                arrays = [ops.empty(inp.q, (s.batch, s.q_heads), dt) for _, dt, _ in _BUDGET_FIELDS]
+                fields = [ops.ptr(a) for a in arrays]
+                extra += (DeviceBudgets(*arrays),)
+            if base.tiles is None:  # tensor cores: logits and tile statistics
+                base.logits(stream, qp, kp, lens, *pg, logits, tile_m, tile_l)
+            else:
+                base.logits(stream, qp, kp, lens, *pg, logits)
+                base.tiles(stream, logits, lens, tile_m, tile_l, *pg)
+            self.pilot_launch(stream, vp, lens, logits, tile_m, tile_l, C, iid, pilot_idx, pidxp,
+                              outp, *rs, *pg, pilot_o, pilot_ml)
+            self.budgets_launch(stream, logits, tile_m, lens, *pg, *norms, pilot_o, *fields)
+            self.main_launch(stream, vp, lens, logits, tile_m, tile_l, C, iid, idx32, idxp, outp,
+                             *rs, fields[0], *pg)
+        return (out,) + extra if extra else out

@@ -855,22 +855,31 @@ santa_prop_budgets(const float* __restrict__ logits, const float* __restrict__ t
   den = block_sum_f64(den, sm_d);
   y2 = block_sum_f64(y2, sm_d);
   if (tid != 0) return;
-  const double m2 = den > 0.0 ? num / den : 0.0;  // den >= 1: the max row adds exp(0)
-  // pilot_norm_lower (reference/budgets.py), same operations.
-  const double y = sqrt(y2);
-  const double yy = y * y;
+  // The formula in the reference's operations and order, each rounded once: the _rn
+  // intrinsics keep the compiler from contracting a * b + c into an FMA, so S, capped
+  // and the bound are the bits NumPy computes from the same m2 and L^2
+  // (tests/gpu/test_cuda_santa_budgets.py recomputes them).
+  const double m2 = den > 0.0 ? __ddiv_rn(num, den) : 0.0;  // den >= 1: the max row's exp(0)
+  // pilot_norm_lower (reference/budgets.py).
+  const double y = __dsqrt_rn(y2);
+  const double yy = __dmul_rn(y, y);
   const double k = k_pilot;
-  const double disc = fmax(k * ((1.0 + k) * m2 - yy), 0.0);
-  double root = (yy - k * m2) / (y + sqrt(disc));
-  if (yy > (1.0 + k) * m2) root = sqrt(m2 / (1.0 + k));
-  const double L = yy > k * m2 ? root : 0.0;
-  const double L2 = L * L;
-  const double var = fmax(m2 - L2, 0.0);
-  double need = L2 > 0.0 ? c_main * var / (eps * eps * L2) : STOCHATTN_INF_F64;
+  const double kp1 = __dadd_rn(1.0, k);
+  const double km2 = __dmul_rn(k, m2);
+  const double disc = fmax(__dmul_rn(k, __dsub_rn(__dmul_rn(kp1, m2), yy)), 0.0);
+  double root = __ddiv_rn(__dsub_rn(yy, km2), __dadd_rn(y, __dsqrt_rn(disc)));
+  if (yy > __dmul_rn(kp1, m2)) root = __dsqrt_rn(__ddiv_rn(m2, kp1));
+  const double L = yy > km2 ? root : 0.0;
+  const double L2 = __dmul_rn(L, L);
+  const double var = fmax(__dsub_rn(m2, L2), 0.0);
+  const double cvar = __dmul_rn(c_main, var);
+  double need = L2 > 0.0 ? __ddiv_rn(cvar, __dmul_rn(__dmul_rn(eps, eps), L2))
+                         : STOCHATTN_INF_F64;
   if (!(var > 0.0)) need = 1.0;  // every draw equals o: one is enough
   const bool cap = need > (double)max_budget;  // float compare: inf never meets an int
   const int S = cap ? max_budget : (int)fmax(ceil(fmin(need, (double)max_budget)), 1.0);
-  double bound = var > 0.0 ? sqrt(c_main * var / ((double)(S > 1 ? S : 1) * L2)) : 0.0;
+  double bound = var > 0.0 ? __dsqrt_rn(__ddiv_rn(cvar, __dmul_rn((double)(S > 1 ? S : 1), L2)))
+                           : 0.0;
   if (!(L2 > 0.0 || var == 0.0)) bound = STOCHATTN_INF_F64;
   budgets[row] = S;
   capped[row] = cap ? 1 : 0;
