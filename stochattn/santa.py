@@ -156,9 +156,6 @@ softmax_scale, check_finite
                 missing.append("error-targeted budgets (`eps`) with schedule="
                                f"{self.schedule!r}; the GPU has them with schedule='prop' "
                                "(flash would need per-head S_t)")
-            if self.budget_norm != "pilot":
-                missing.append(f"budget_norm={self.budget_norm!r} (the studentised pilot is "
-                               "reference only; the GPU has budget_norm='pilot')")
             return missing
         if self.schedule == "global":
             return ["schedule='global'; the GPU has 'prop' and 'flash'"]
@@ -230,8 +227,8 @@ def santa_attention(q, k, v=None, seq_lens=None, *, budget=None, sampler="system
     eps, delta, max_budget : float, float, int, optional
         Error-targeted budgets instead of ``budget`` (docs/budgets.md): per query head the
         smallest S with P(|o_hat - o| > eps |o|) <= delta, capped at ``max_budget``
-        (exact scores only; on the GPU with schedule="prop" and budget_norm="pilot",
-        chosen on the device, which then needs ``v_sqnorms``).
+        (exact scores only; on the GPU with schedule="prop", chosen on the device, which
+        then needs ``v_sqnorms``).
     budget_rule : {"chebyshev", "clt"}
         Tail bound of the error-targeted budgets: Chebyshev (safe) or the one-degree
         chi-square quantile (smaller; delta <= 0.2; validated on generated inputs).
@@ -242,7 +239,7 @@ def santa_attention(q, k, v=None, seq_lens=None, *, budget=None, sampler="system
         How the pilot bounds |o| from below: ``"pilot"`` (default) the worst-case bound,
         ``"student"`` the studentised bound along the pilot's direction (asymptotic;
         1.7-2.8x the oracle budget on SmolLM2 heads at ``pilot=512``, against 2.1-4.4x for
-        the best-sized ``"pilot"``; ``pilot`` >= 4; docs/budgets.md; reference only).
+        the best-sized ``"pilot"``; ``pilot`` >= 4; docs/budgets.md).
     v_sqnorms : array, optional
         ||v_j||^2 per token kept beside the cache (:func:`stochattn.value_norms.value_sqnorms`;
         only with ``eps``). GPU: required, float32, (B, Hkv, N), or the V pool's shape

@@ -495,16 +495,17 @@ class DeviceBudgets(NamedTuple):
     second_moment: object
 
 
-# santa_prop_budgets' per-call arguments (its page table after seq_lens), and the pilot's
-# and the main sampling's.
+# santa_prop_budgets' per-call arguments (its page table after seq_lens), and those of the
+# pilot sets and the main sampling (santa_prop_sample_budgets; page table last).
 _BUDGETS_VARIABLE = (("logits", "tile_m", "seq_lens") + PAGE_VARIABLE
                      + ("sqnorms", "sq_page_stride", "sq_row_stride", "sq_head_stride",
-                        "pilot_o", "budgets", "capped", "error_bound", "norm_sq_lower",
-                        "second_moment"))
-_PILOT_VARIABLE = SAMPLE_VARIABLE + PAGE_VARIABLE + ("part_o", "part_ml")
+                        "pilot_o", "v", "pilot_b", "budgets", "capped", "error_bound",
+                        "norm_sq_lower", "second_moment"))
+_PILOT_VARIABLE = SAMPLE_VARIABLE + ("budgets", "part_o", "part_ml") + PAGE_VARIABLE
 _MAIN_VARIABLE = SAMPLE_VARIABLE + ("budgets",) + PAGE_VARIABLE
 _BUDGET_FIELDS = (("budget", "int32", 4), ("capped", "int32", 4), ("error_bound", "float64", 8),
                   ("norm_sq_lower", "float64", 8), ("second_moment", "float64", 8))
+_NORMS_GPU = ("pilot", "student")
 
 
 def santa_prop_targeted(q, k, v, seq_lens=None, *, v_sqnorms, eps, delta, max_budget,
@@ -513,18 +514,23 @@ def santa_prop_targeted(q, k, v, seq_lens=None, *, v_sqnorms, eps, delta, max_bu
                         softmax_scale=None, return_indices=False, return_budgets=False,
                         check_seq_lens=False, kernel=None, out=None, workspace=None):
     """S²ANTA-prop with error-targeted budgets on the GPU: per (sequence, query head) the S
-    of :func:`stochattn.reference.budgets.choose_budgets` (``norm="pilot"``), chosen on the
-    device between pass 1 and the sampling, then the S-point estimate.
+    of :func:`stochattn.reference.budgets.choose_budgets` (``norm="pilot"`` or
+    ``"student"``), chosen on the device between pass 1 and the sampling, then the S-point
+    estimate.
 
     Launches, all on the caller's stream, none reading anything back to the host:
 
     1. pass 1 as :func:`santa_prop` (logits stash, tile max m_t and sum l_t);
-    2. the pilot: ``santa_prop_sample`` with ``pilot`` stratified points on purpose
-       PURPOSE_BUDGET_PILOT (stream 0, row b * Hq + h), writing the fp32 mean o_p of the
-       drawn rows (the reference's pilot draws, the same Philox points);
+    2. the pilot: ``santa_prop_sample_budgets`` (no budgets array: a fixed S) with
+       ``pilot`` stratified points on purpose PURPOSE_BUDGET_PILOT (stream 0, row
+       b * Hq + h), writing the fp32 mean o_p of the drawn rows (the reference's pilot
+       draws, the same Philox points); with ``norm="student"`` two launches, set A
+       (S_A = max(1, pilot // 4) points, stream 1: its mean o_A) and set B (the rest,
+       stream 2: its drawn rows);
     3. ``santa_prop_budgets``: m2 = sum_j p_j ||v_j||^2 from the stash and ``v_sqnorms``,
-       L from ||o_p|| and m2 (the reference's closed form), S per head into a device
-       (B, Hq) int32 array, with the capped flag and the error bound;
+       L (pilot: the closed form from ||o_p|| and m2; student: the studentised bound along
+       o_A from B's rows, with the range guard from the largest ||v_j||), S per head into
+       a device (B, Hq) int32 array, with the capped flag and the error bound;
     4. ``santa_prop_sample_budgets``: the main draws of every row with its own S (purpose
        0: a row with S draws exactly what a fixed-S call draws).
 
@@ -543,11 +549,12 @@ kernel, out, workspace
     eps, delta, max_budget, rule, pilot, pilot_share
         As in :func:`stochattn.reference.budgets.choose_budgets` (same checks, same
         messages). ``max_budget`` <= 2**30.
-    norm : {"pilot"}
-        The studentised bound (``"student"``) is reference only for now.
+    norm : {"pilot", "student"}
+        How ||o|| is bounded from below (docs/budgets.md); "student" needs pilot >= 4.
     return_indices : bool
         Also return the main draws' token indices, int64 (B, Hq, max_budget), row (b, h)
-        holding its S indices then -1, and the pilot's, int64 (B, Hq, pilot).
+        holding its S indices then -1, and the pilot's, int64 (B, Hq, pilot) (student:
+        set A's S_A indices, then set B's).
     return_budgets : bool
         Also return a :class:`DeviceBudgets` (fresh arrays; the kernel writes them).
 
@@ -579,10 +586,11 @@ def targeted_workspace_bytes(batch, q_heads, kv_heads, tokens, head_dim, max_bud
 
 
 def _targeted_sizes(rows, D, pilot) -> tuple:
-    """pilot_o (f32 rows x D), pilot_ml (f32 rows x 2), pilot idx32 (i32 rows x pilot), then
-    the budget fields (_BUDGET_FIELDS, rows each)."""
-    return (4 * rows * D, 8 * rows, 4 * rows * pilot) + tuple(n * rows for _, _, n in
-                                                              _BUDGET_FIELDS)
+    """pilot_o and pilot_o2 (f32 rows x D: the pilot's or set A's mean, and set B's),
+    pilot_ml and pilot_ml2 (f32 rows x 2), the pilot's idx32 (i32 rows x pilot: set A's
+    rows x S_A then set B's rows x S_B), then the budget fields (_BUDGET_FIELDS, rows each)."""
+    return ((4 * rows * D, 4 * rows * D, 8 * rows, 8 * rows, 4 * rows * pilot)
+            + tuple(n * rows for _, _, n in _BUDGET_FIELDS))
 
 
 class _TargetedPlan:
@@ -596,12 +604,9 @@ class _TargetedPlan:
         from ..spec import PURPOSE_BUDGET_PILOT
 
         _budgets.check_options(eps, delta, max_budget, rule, norm, pilot, pilot_share)
-        if norm == "oracle":
-            raise ValueError("`norm` must be 'pilot' ('oracle' reads all of V: a yardstick of "
-                             "the reference, not an option)")
-        if norm != "pilot":
-            raise NotImplementedError("`norm='student'` (the studentised pilot) is reference "
-                                      "only; the GPU has norm='pilot'")
+        if norm not in _NORMS_GPU:
+            raise ValueError("`norm` must be 'pilot' or 'student' ('oracle' reads all of V: a "
+                             "yardstick of the reference, not an option)")
         inputs.check_gpu_budget(max_budget)
         inputs.check_gpu_budget(pilot)
         score = _ScoreStage.of("exact", 4, False, None, False)
@@ -613,10 +618,17 @@ class _TargetedPlan:
         self.shape, self.device = s, base.device
         self.max_budget, self.pilot = int(max_budget), int(pilot)
         self.return_indices, self.return_budgets = return_indices, return_budgets
+        self.student = norm == "student"
         delta_pilot = float(pilot_share) * float(delta)
         delta_main = float(delta) - delta_pilot
         self.c_main = _budgets.tail_factor(rule, delta_main)
-        self.k_pilot = _budgets.tail_factor(rule, delta_pilot) / self.pilot
+        if self.student:
+            # (points, Philox stream) of the sets: A gives the direction, B the bound.
+            self.sets = tuple(zip(_budgets.student_split(self.pilot), (1, 2)))
+            k_pilot, z = 0.0, _budgets.student_z(delta_pilot)
+        else:
+            self.sets = ((self.pilot, 0),)
+            k_pilot, z = _budgets.tail_factor(rule, delta_pilot) / self.pilot, 0.0
         self.eps = float(eps)
         self.paged = not isinstance(inp, inputs.Inputs)
         self.layout = inp.cache.layout if self.paged else None
@@ -628,37 +640,41 @@ class _TargetedPlan:
                                 s.head_dim, sampler)
                  + _targeted_sizes(rows, s.head_dim, self.pilot))
         self.offsets, self.scratch_bytes = launch.layout(sizes)
+        self.rows = rows
         dtype_name = inputs.base_plan(inp, softmax_scale)[3]
         ctype = kernels.CTYPES[dtype_name]
         pdl = cfg.tiling.pdl
-        k = functools.partial(abi.kernel, _FAMILY)
         p = launch.Packed
+        decl = abi.kernel(_FAMILY, "santa_prop_sample_budgets")
+        bdecl = abi.kernel(_FAMILY, "santa_prop_budgets")
         with inputs.device_scope(self.device):
-            sample = launch.launcher(_FAMILY, k("santa_prop_sample").expr(T=ctype, D=s.head_dim),
-                                     0, cfg)
-            main_decl = k("santa_prop_sample_budgets")
-            main = launch.Launcher(extra_kernel(main_decl.expr(T=ctype, D=s.head_dim), cfg))
+            sample = launch.Launcher(extra_kernel(decl.expr(T=ctype, D=s.head_dim), cfg))
             budgets = launch.Launcher(extra_kernel("santa_prop_budgets", cfg))
         common = dict(Hq=s.q_heads, G=s.group, N=s.tokens, n_pad=n_pad, n_tiles=n_tiles,
                       tile_size=ts)
-        # The pilot: the reference's pilot points (stratified, purpose 4, stream 0), the fp32
-        # mean of their rows as a partial (no rounding to q's dtype).
-        self.pilot_launch = p(sample, base.grid2, (_SAMPLE_THREADS,),
-                              k("santa_prop_sample").bind(
-                                  _PILOT_VARIABLE, S=self.pilot,
-                                  sampler=sampler_code("stratified"),
-                                  purpose=PURPOSE_BUDGET_PILOT, num_parts=1, part=0, **common),
-                              pdl=pdl)
+        # The pilot sets: fixed S (no budgets array), stratified, purpose 4, each on its
+        # Philox stream; the fp32 mean of their rows as a partial (no rounding to q's
+        # dtype); their indices (when asked) side by side in one (B, Hq, pilot) array.
+        self.pilot_launches = tuple(
+            p(sample, base.grid2, (_SAMPLE_THREADS,),
+              decl.bind(_PILOT_VARIABLE, max_budget=n, idx_ld=self.pilot, rng_stream=stream,
+                        sampler=sampler_code("stratified"), purpose=PURPOSE_BUDGET_PILOT,
+                        **common), pdl=pdl)
+            for n, stream in self.sets)
         self.budgets_launch = p(budgets, base.grid2, (_SAMPLE_THREADS,),
-                                k("santa_prop_budgets").bind(
-                                    _BUDGETS_VARIABLE, D=s.head_dim, eps=self.eps,
-                                    c_main=self.c_main, k_pilot=self.k_pilot,
-                                    max_budget=self.max_budget, **common),
+                                bdecl.bind(_BUDGETS_VARIABLE, D=s.head_dim, eps=self.eps,
+                                           c_main=self.c_main, k_pilot=k_pilot,
+                                           max_budget=self.max_budget,
+                                           student=int(self.student),
+                                           dtype=0 if dtype_name == "float16" else 1,
+                                           S_B=self.sets[-1][0], z=z, **common),
                                 pdl=pdl)
-        self.main_launch = p(main, base.grid2, (_SAMPLE_THREADS,),
-                             main_decl.bind(_MAIN_VARIABLE, max_budget=self.max_budget,
-                                            sampler=sampler_code(sampler),
-                                            purpose=PURPOSE_VALUE_SAMPLER, **common),
+        self.main_launch = p(sample, base.grid2, (_SAMPLE_THREADS,),
+                             decl.bind(_MAIN_VARIABLE, max_budget=self.max_budget,
+                                       idx_ld=self.max_budget, rng_stream=0,
+                                       sampler=sampler_code(sampler),
+                                       purpose=PURPOSE_VALUE_SAMPLER, part_o=0, part_ml=0,
+                                       **common),
                              pdl=pdl)
         self.norms_shape = None if self.paged else (s.batch, s.kv_heads, s.tokens)
 
@@ -693,8 +709,8 @@ class _TargetedPlan:
             rs, _keep_rs = inputs.stream_args(inp, seed, offset, s.batch, self.device)
             ptr, _scratch = _workspace.scratch(ops, inp.q, self.scratch_bytes, workspace,
                                                self.device)
-            (logits, tile_m, tile_l, C, iid, idx32, _qhat, _feat, _nfeat, _frac, pilot_o, pilot_ml,
-             pilot_idx, *fields) = (ptr + o for o in self.offsets)
+            (logits, tile_m, tile_l, C, iid, idx32, _qhat, _feat, _nfeat, _frac, pilot_o,
+             pilot_o2, pilot_ml, pilot_ml2, pilot_idx, *fields) = (ptr + o for o in self.offsets)
             out = _workspace.output(ops, inp.q, base.out_shape, None, out, self.device)
             outp = ops.ptr(out)
             extra = ()
@@ -713,9 +729,19 @@ class _TargetedPlan:
             else:
                 base.logits(stream, qp, kp, lens, *pg, logits)
                 base.tiles(stream, logits, lens, tile_m, tile_l, *pg)
-            self.pilot_launch(stream, vp, lens, logits, tile_m, tile_l, C, iid, pilot_idx, pidxp,
-                              outp, *rs, *pg, pilot_o, pilot_ml)
-            self.budgets_launch(stream, logits, tile_m, lens, *pg, *norms, pilot_o, *fields)
+            # The pilot sets: (idx32 region, its offset in the returned pilot indices,
+            # partial); the last set's rows are what a studentised bound reads.
+            at_idx, at_out = pilot_idx, 0
+            for (n, _), launch_set, (po, pml) in zip(self.sets, self.pilot_launches,
+                                                      ((pilot_o, pilot_ml),
+                                                       (pilot_o2, pilot_ml2))):
+                launch_set(stream, vp, lens, logits, tile_m, tile_l, C, iid, at_idx,
+                           pidxp + 8 * at_out if pidxp else 0, outp, *rs, 0, po, pml, *pg)
+                last_idx = at_idx
+                at_idx += 4 * self.rows * n
+                at_out += n
+            self.budgets_launch(stream, logits, tile_m, lens, *pg, *norms, pilot_o, vp,
+                                last_idx, *fields)
             self.main_launch(stream, vp, lens, logits, tile_m, tile_l, C, iid, idx32, idxp, outp,
                              *rs, fields[0], *pg)
         return (out,) + extra if extra else out

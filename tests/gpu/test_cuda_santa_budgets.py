@@ -7,8 +7,9 @@ What is compared, and the one tolerance:
 - **Norms**: the GPU's ||v_j||^2 equal the host's (float64 sums rounded once to float32) on
   >= 99.9% of the rows and within one float32 ulp everywhere (the two float64 sums run in
   different orders).
-- **Pilot draws**: the GPU's pilot indices (stratified, purpose PURPOSE_BUDGET_PILOT) as
-  per-token counts equal the reference's ``sampler_counts`` on the Philox stream, except on
+- **Pilot draws**: the GPU's pilot indices (stratified, purpose PURPOSE_BUDGET_PILOT; stream
+  0, or streams 1 and 2 for the two sets of ``norm="student"``) as per-token counts equal
+  the reference's ``sampler_counts`` on the Philox stream, except on
   rows where a point lies within fp32 rounding of a CDF boundary (the GPU's logits are
   fp32, the reference's float64): at most 1% of the rows, and those rows ("boundary rows")
   are left out of the budget comparison below.
@@ -46,7 +47,7 @@ from stochattn.cuda.santa import KERNELS, santa_prop_targeted  # noqa: E402
 from stochattn.paged import from_contiguous  # noqa: E402
 from stochattn.reference import santa as ref_santa  # noqa: E402
 from stochattn.reference.budgets import (choose_budgets, philox_uniform,  # noqa: E402
-                                         sampler_counts, tail_factor)
+                                         sampler_counts, student_split, tail_factor)
 from stochattn.reference.common import lengths, logits, masked_weights  # noqa: E402
 from stochattn.santa import GPU_BUDGETS_ENV  # noqa: E402
 from stochattn.spec import PURPOSE_BUDGET_PILOT  # noqa: E402
@@ -66,7 +67,8 @@ _EPS_OUT = {"float16": 2.0**-10, "bfloat16": 2.0**-7}  # one ulp at 1.0 of the o
 REL = 5e-5
 
 # (rule, eps, delta, pilot, max_budget): a mix of capped and uncapped heads on these inputs
-# (reference, CPU: 0, 7 and 13 of 16 non-empty heads capped).
+# (reference, CPU, norm "pilot": 0, 7 and 13 of 16 non-empty heads capped; "student": none,
+# S from 89 to 1515).
 CASES = [("clt", 0.2, 0.1, 256, 3000), ("chebyshev", 0.3, 0.1, 256, 3000),
          ("clt", 0.1, 0.05, 64, 3000)]
 
@@ -92,10 +94,11 @@ def _lens_like(qd):
     return cupy.asarray(LENS)
 
 
-def _reference(q64, k64, v64, sq64, rule, eps, delta, pilot, max_budget, seed, offset):
+def _reference(q64, k64, v64, sq64, rule, eps, delta, pilot, max_budget, seed, offset,
+               norm="pilot"):
     x = logits(q64, k64, lengths(LENS, B, N), 1.0 / math.sqrt(D))
     ch = choose_budgets(x, sq64, v64, eps=eps, delta=delta, max_budget=max_budget, rule=rule,
-                        norm="pilot", pilot=pilot, seed=seed, offset=offset)
+                        norm=norm, pilot=pilot, seed=seed, offset=offset)
     return x, ch
 
 
@@ -125,26 +128,33 @@ def _budget_interval(m2, L2, c, eps, max_budget, nonempty):
     return S_lo, S_hi
 
 
-def _pilot_boundary_rows(x, pilot_idx, pilot, seed, offset):
-    """(B, Hq) bool: rows whose GPU pilot draws differ from the reference's (as counts)."""
+def _pilot_boundary_rows(x, pilot_idx, pilot, seed, offset, norm="pilot"):
+    """(B, Hq) bool: rows whose GPU pilot draws differ from the reference's (as per-token
+    counts of each set: the pilot on stream 0, or the studentised sets A and B on streams 1
+    and 2, side by side in ``pilot_idx``)."""
     Bn, Hq, Nn = x.shape
     w, _ = masked_weights(x)  # choose_budgets' weights
     rows = (np.arange(Bn)[:, None] * Hq + np.arange(Hq)[None, :]).reshape(-1)
-    want = sampler_counts(w.reshape(Bn * Hq, Nn), "stratified", pilot,
-                          philox_uniform(seed, offset, PURPOSE_BUDGET_PILOT, rows, Hq)
-                          ).reshape(Bn, Hq, Nn)
-    got = np.zeros_like(want)
+    sets = tuple(zip(student_split(pilot), (1, 2))) if norm == "student" else ((pilot, 0),)
     nonempty = LENS > 0
-    for b in np.flatnonzero(nonempty):
-        for h in range(Hq):
-            got[b, h] = np.bincount(pilot_idx[b, h], minlength=Nn)[:Nn]
-    diff = np.any(got != want, axis=-1)
+    diff = np.zeros((Bn, Hq), dtype=bool)
+    at = 0
+    for n, stream in sets:
+        want = sampler_counts(w.reshape(Bn * Hq, Nn), "stratified", n,
+                              philox_uniform(seed, offset, PURPOSE_BUDGET_PILOT, rows, Hq,
+                                             stream=stream)).reshape(Bn, Hq, Nn)
+        got = np.zeros_like(want)
+        for b in np.flatnonzero(nonempty):
+            for h in range(Hq):
+                got[b, h] = np.bincount(pilot_idx[b, h, at:at + n], minlength=Nn)[:Nn]
+        diff |= np.any(got != want, axis=-1)
+        at += n
     diff[~nonempty] = False
     return diff
 
 
 def _run_targeted(dtype, sampler, rule, eps, delta, pilot, max_budget, *, seed=3, offset=11,
-                  kernel=None, paged=None):
+                  kernel=None, paged=None, norm="pilot"):
     qd, kd, vd, q64, k64, v64 = _device_inputs(dtype)
     sq = value_sqnorms(vd)
     sq64 = to_host(sq).astype(np.float64)
@@ -152,22 +162,23 @@ def _run_targeted(dtype, sampler, rule, eps, delta, pilot, max_budget, *, seed=3
         res = santa_prop_targeted(qd, kd, vd, _lens_like(qd), v_sqnorms=sq, eps=eps, delta=delta,
                                   max_budget=max_budget, rule=rule, pilot=pilot,
                                   sampler=sampler, seed=seed, offset=offset, kernel=kernel,
-                                  return_indices=True, return_budgets=True)
+                                  norm=norm, return_indices=True, return_budgets=True)
     else:
         cache = gpu_paged(from_contiguous(np.asarray(to_host64(kd)), np.asarray(v64), LENS,
                                           **paged), dtype)
         res = santa_prop_targeted(qd, cache, None, v_sqnorms=value_sqnorms(cache), eps=eps,
                                   delta=delta, max_budget=max_budget, rule=rule, pilot=pilot,
                                   sampler=sampler, seed=seed, offset=offset, kernel=kernel,
-                                  return_indices=True, return_budgets=True)
+                                  norm=norm, return_indices=True, return_budgets=True)
     return res, (q64, k64, v64, sq64)
 
 
 def _check_against_reference(res, host, dtype, sampler, rule, eps, delta, pilot, max_budget,
-                             seed, offset):
+                             seed, offset, norm="pilot"):
     out, idx, pidx, dev = res
     q64, k64, v64, sq64 = host
-    x, ch = _reference(q64, k64, v64, sq64, rule, eps, delta, pilot, max_budget, seed, offset)
+    x, ch = _reference(q64, k64, v64, sq64, rule, eps, delta, pilot, max_budget, seed, offset,
+                       norm)
     nonempty = np.broadcast_to((LENS > 0)[:, None], ch.budget.shape)
     S = to_host(dev.budget).astype(np.int64)
     capped = to_host(dev.capped).astype(bool)
@@ -185,7 +196,7 @@ def _check_against_reference(res, host, dtype, sampler, rule, eps, delta, pilot,
 
     # 2. m2 and the pilot against the reference.
     np.testing.assert_allclose(m2, ch.second_moment, rtol=REL, atol=0)
-    boundary = _pilot_boundary_rows(x, PJ, pilot, seed, offset)
+    boundary = _pilot_boundary_rows(x, PJ, pilot, seed, offset, norm)
     assert boundary.sum() <= max(1, int(0.01 * nonempty.sum())), boundary.sum()
     ok = nonempty & ~boundary
     assert np.all(np.abs(L2 - ch.norm_sq_lower)[ok] <= REL * ch.second_moment[ok]), "L^2"
@@ -225,13 +236,14 @@ def _check_against_reference(res, host, dtype, sampler, rule, eps, delta, pilot,
     return S
 
 
+@pytest.mark.parametrize("norm", ["pilot", "student"])
 @pytest.mark.parametrize("sampler", ["systematic", "stratified", "iid"])
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-eps{c[1]}-d{c[2]}-p{c[3]}" for c in CASES])
-def test_budgets_indices_and_output_match_reference(sampler, case):
+def test_budgets_indices_and_output_match_reference(sampler, case, norm):
     rule, eps, delta, pilot, max_budget = case
-    res, host = _run_targeted("float16", sampler, rule, eps, delta, pilot, max_budget)
+    res, host = _run_targeted("float16", sampler, rule, eps, delta, pilot, max_budget, norm=norm)
     _check_against_reference(res, host, "float16", sampler, rule, eps, delta, pilot, max_budget,
-                             3, 11)
+                             3, 11, norm)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -245,11 +257,12 @@ def test_pass1_kernels_and_bfloat16(kernel):
 
 
 @pytest.mark.parametrize("layout,page_size", [("NHD", 16), ("HND", 1), ("HND", 64)])
-@pytest.mark.parametrize("sampler", ["systematic", "iid"])
-def test_paged_equals_contiguous_bitwise(layout, page_size, sampler):
+@pytest.mark.parametrize("sampler,norm", [("systematic", "pilot"), ("iid", "pilot"),
+                                          ("stratified", "student")])
+def test_paged_equals_contiguous_bitwise(layout, page_size, sampler, norm):
     rule, eps, delta, pilot, max_budget = CASES[1]
-    cont, _ = _run_targeted("float16", sampler, rule, eps, delta, pilot, max_budget)
-    paged, _ = _run_targeted("float16", sampler, rule, eps, delta, pilot, max_budget,
+    cont, _ = _run_targeted("float16", sampler, rule, eps, delta, pilot, max_budget, norm=norm)
+    paged, _ = _run_targeted("float16", sampler, rule, eps, delta, pilot, max_budget, norm=norm,
                              paged=dict(page_size=page_size, layout=layout, shuffle_seed=4,
                                         extra_pages=2))
     for a, b, what in zip(cont[:3], paged[:3], ("out", "indices", "pilot indices")):
@@ -349,8 +362,11 @@ def test_bad_inputs_name_the_argument(monkeypatch):
     with pytest.raises(ValueError, match="`v_sqnorms`"):
         santa_prop_targeted(qd, kd, vd, lens, v_sqnorms=sq[:, :, ::2].copy()[:, :, :N // 2],
                             **common)
-    with pytest.raises(NotImplementedError, match="student"):
-        santa_prop_targeted(qd, kd, vd, lens, v_sqnorms=sq, norm="student", **common)
+    with pytest.raises(ValueError, match="`norm`"):
+        santa_prop_targeted(qd, kd, vd, lens, v_sqnorms=sq, norm="oracle", **common)
+    with pytest.raises(ValueError, match="`pilot`"):
+        santa_prop_targeted(qd, kd, vd, lens, v_sqnorms=sq, norm="student",
+                            **dict(common, pilot=3))
     with pytest.raises(ValueError, match="`eps`"):
         santa_prop_targeted(qd, kd, vd, lens, v_sqnorms=sq, **dict(common, eps=-1.0))
     with pytest.raises(ValueError, match="`max_budget`"):
@@ -366,9 +382,7 @@ def test_bad_inputs_name_the_argument(monkeypatch):
     monkeypatch.setenv(GPU_BUDGETS_ENV, "1")
     with pytest.raises(NotImplementedError, match="schedule='flash'"):
         stochattn.SantaPlan(eps=0.1, delta=0.1, max_budget=64, schedule="flash", device="cuda")
-    with pytest.raises(NotImplementedError, match="student"):
-        stochattn.SantaPlan(eps=0.1, delta=0.1, max_budget=64, budget_norm="student",
-                            device="cuda")
+    stochattn.SantaPlan(eps=0.1, delta=0.1, max_budget=64, budget_norm="student", device="cuda")
     plan = stochattn.SantaPlan(eps=0.1, delta=0.1, max_budget=64, device="cuda")
     with pytest.raises(ValueError, match="`v_sqnorms` is required"):
         plan.run(qd, kd, vd, lens)

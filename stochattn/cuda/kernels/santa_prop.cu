@@ -452,9 +452,48 @@ __device__ __forceinline__ void write_nan_row(T* __restrict__ orow, float* __res
     for (int m = threadIdx.x; m < S; m += blockDim.x) idx_out[row * ld + m] = -1;
 }
 
+// The points of one row on Philox stream `stream` of its (seed, offset, purpose, row):
+// philox.cuh's Points (stream 0) for any stream, the same float64 arithmetic (the
+// reference's uniforms(..., stream, m)).
+struct RowPoints {
+  int sampler, S;
+  unsigned stream;
+  double u;           // systematic offset (draw 0)
+  RngStream rs;
+  const double* iid;  // iid: the S sorted points (scratch)
+
+  __device__ double operator()(int m) const {
+    if (sampler == SAMPLER_SYSTEMATIC) return systematic_point(m, u, S);
+    if (sampler == SAMPLER_STRATIFIED)
+      return ((double)m + (double)rs.uniform(stream, (unsigned)m)) / (double)S;
+    return iid[m];
+  }
+
+  // n(c) = #{m : T_m * Z < c} (Points::count_below).
+  __device__ int count_below(double c, double Z) const {
+    if (sampler == SAMPLER_IID) {
+      int lo = 0, hi = S;
+      while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if ((*this)(mid) * Z < c) lo = mid + 1; else hi = mid;
+      }
+      return lo;
+    }
+    const double g = (double)S * (c / Z);
+    double guess = sampler == SAMPLER_SYSTEMATIC ? ceil(g - u) : floor(g);
+    guess = fmin(fmax(guess, 0.0), (double)S);
+    int n = (int)guess;
+    while (n > 0 && !((*this)(n - 1) * Z < c)) --n;
+    while (n < S && (*this)(n) * Z < c) ++n;
+    return n;
+  }
+};
+
 // The work of one santa_prop_sample CTA on row `row` (= b * Hq + h) with S points;
-// `ld` is the row stride of idx32, idx_out (and ld + 1 of iid_points): S for the
-// fixed-budget kernel, the plan's max_budget for santa_prop_sample_budgets (per-row S).
+// `ld` is the row stride of idx32 (and ld + 1 of iid_points): S for the fixed-budget
+// kernel, the plan's max_budget for santa_prop_sample_budgets (per-row S); `idx_ld` that
+// of idx_out. `rng_stream`: the Philox stream of the points (RowPoints; 0 for the
+// estimator and the pilot, 1 and 2 for the studentised pilot's two sets).
 // The points of a row depend only on its own S (docs/rng.md), so a row with S draws
 // exactly what a fixed-S call draws. Called by the whole block after the PDL entry.
 template <typename T, int D>
@@ -464,7 +503,8 @@ __device__ __forceinline__ void prop_sample_row(
     const float* __restrict__ tile_m, const float* __restrict__ tile_l, double* __restrict__ C,
     double* __restrict__ iid_points, int* __restrict__ idx32, long long* __restrict__ idx_out,
     T* __restrict__ out, int Hq, int G, long long N, long long n_pad, long long n_tiles,
-    int tile_size, int S, long long ld, int sampler, unsigned long long seed, unsigned offset,
+    int tile_size, int S, long long ld, long long idx_ld, unsigned rng_stream, int sampler,
+    unsigned long long seed, unsigned offset,
     const void* __restrict__ seed_ptr, const void* __restrict__ offset_ptr, unsigned streams,
     unsigned purpose, float* __restrict__ part_o, float* __restrict__ part_ml, int num_parts,
     int part) {
@@ -485,11 +525,11 @@ __device__ __forceinline__ void prop_sample_row(
 
   if (len == 0) {  // empty sequence: zero output; indices 0 as the reference
     if (part_o) {
-      write_empty_part(part_o, part_ml, row, num_parts, part, D, S, idx_out, ld);
+      write_empty_part(part_o, part_ml, row, num_parts, part, D, S, idx_out, idx_ld);
     } else {
       for (int d = tid; d < D; d += kSampleThreads) orow[d] = Elem<T>::from_float(0.f);
       if (idx_out)
-        for (int m = tid; m < S; m += kSampleThreads) idx_out[row * ld + m] = 0;
+        for (int m = tid; m < S; m += kSampleThreads) idx_out[row * idx_ld + m] = 0;
     }
     return;
   }
@@ -507,9 +547,9 @@ __device__ __forceinline__ void prop_sample_row(
   const double mstar = (double)sm_f[kSampleWarps];
   if (sm_f[kSampleWarps] == STOCHATTN_NEG_INF) {  // every row masked out: no mass
     if (part_o)  // Double-P's sampled variant: no token of the row is sampled
-      write_empty_part(part_o, part_ml, row, num_parts, part, D, S, idx_out, ld);
+      write_empty_part(part_o, part_ml, row, num_parts, part, D, S, idx_out, idx_ld);
     else  // a row of the sequence has a logit: only non-finite ones give -inf everywhere
-      write_nan_row<T>(orow, part_o, part_ml, row, num_parts, part, D, S, idx_out, ld);
+      write_nan_row<T>(orow, part_o, part_ml, row, num_parts, part, D, S, idx_out, idx_ld);
     return;
   }
 
@@ -532,16 +572,17 @@ __device__ __forceinline__ void prop_sample_row(
   const int t_last = max(sm_i[kSampleWarps], 0);  // the max tile has W = l_t >= 1 > 0
   const double Z = Cr[T_b - 1];
   if (Z != Z) {  // a NaN m_t or l_t: the row read a non-finite logit (uniform over the block)
-    write_nan_row<T>(orow, part_o, part_ml, row, num_parts, part, D, S, idx_out, ld);
+    write_nan_row<T>(orow, part_o, part_ml, row, num_parts, part, D, S, idx_out, idx_ld);
     return;
   }
 
   // b. Sample points.
-  Points P;
+  RowPoints P;
+  P.stream = rng_stream;
   P.sampler = sampler;
   P.S = S;
   P.rs = RngStream::make(seed, offset, purpose, (unsigned)row);
-  P.u = (double)P.rs.uniform(0u, 0u);
+  P.u = (double)P.rs.uniform(rng_stream, 0u);
   P.iid = iid_points + row * (ld + 1);
   if (sampler == SAMPLER_IID) {
     // E_i = -log(u_i), i = 0..S; prefix sums in float64; T_m = c_m / c_S. Every spacing is
@@ -553,7 +594,7 @@ __device__ __forceinline__ void prop_sample_row(
     const int i0 = min(tid * sg, n), i1 = min(i0 + sg, n);
     double r = 0.0;
     for (int i = i0; i < i1; ++i) {
-      r += iid_spacing(P.rs, i);
+      r += -log((double)P.rs.uniform(rng_stream, (unsigned)i));  // iid_spacing on the stream
       pr[i] = r;
     }
     const double ec = block_exclusive_sum(r, sm_d);
@@ -628,7 +669,7 @@ __device__ __forceinline__ void prop_sample_row(
     }
     const int J = (int)tok0 + (r >= 0 ? r : max(lastp, 0));
     ids[m] = J;
-    if (idx_out) idx_out[row * ld + m] = J;
+    if (idx_out) idx_out[row * idx_ld + m] = J;
   }
   __syncthreads();
 
@@ -702,8 +743,8 @@ santa_prop_sample(const T* __restrict__ v, const int* __restrict__ seq_lens,
                                      page_stride, row_stride, head_stride);
   prop_sample_row<T, D>(blockIdx.x, v, seq_lens, table, logits, tile_m, tile_l, C, iid_points,
                         idx32, idx_out, out, Hq, G, N, n_pad, n_tiles, tile_size, S,
-                        (long long)S, sampler, seed, offset, seed_ptr, offset_ptr, streams,
-                        purpose, part_o, part_ml, num_parts, part);
+                        (long long)S, (long long)S, 0u, sampler, seed, offset, seed_ptr,
+                        offset_ptr, streams, purpose, part_o, part_ml, num_parts, part);
 }
 
 // ---- error-targeted budgets (docs/budgets.md, stochattn/reference/budgets.py) ----------
@@ -711,8 +752,11 @@ santa_prop_sample(const T* __restrict__ v, const int* __restrict__ seq_lens,
 //
 // santa_prop_sample_budgets: santa_prop_sample with a per-row S read from `budgets`
 // (B * Hq int32, written on the device by santa_prop_budgets just before: no host sync,
-// graph-safe); idx32, iid_points and idx_out have the plan's `max_budget` columns
-// (max_budget + 1 for iid_points); idx_out's columns past a row's S are -1.
+// graph-safe); idx32 and iid_points have the plan's `max_budget` columns (max_budget + 1
+// for iid_points), idx_out `idx_ld`, and a row's columns of idx_out in [S, idx_ld) are -1.
+// With `budgets` null every row has S = max_budget: a fixed-S launch on Philox stream
+// `rng_stream` (the budgets' pilot sets). With `part_o` the fp32 mean and (m*, Z) go to a
+// partial (num_parts 1), as santa_prop_sample's, instead of `out`.
 template <typename T, int D>
 __global__ void __launch_bounds__(kSampleThreads)
 santa_prop_sample_budgets(const T* __restrict__ v, const int* __restrict__ seq_lens,
@@ -725,25 +769,31 @@ santa_prop_sample_budgets(const T* __restrict__ v, const int* __restrict__ seq_l
                           long long* __restrict__ idx_out,
                           T* __restrict__ out, int Hq, int G, long long N, long long n_pad,
                           long long n_tiles, int tile_size, const int* __restrict__ budgets,
-                          int max_budget, int sampler, unsigned long long seed, unsigned offset,
+                          int max_budget, long long idx_ld, unsigned rng_stream, int sampler,
+                          unsigned long long seed, unsigned offset,
                           const void* __restrict__ seed_ptr, const void* __restrict__ offset_ptr,
-                          unsigned streams, unsigned purpose) {
+                          unsigned streams, unsigned purpose, float* __restrict__ part_o,
+                          float* __restrict__ part_ml) {
   STOCHATTN_PDL_ENTRY();
   const long long row = blockIdx.x;
   const PageTable table = page_table(kv_indptr, kv_indices, kv_last_page_len, page_size,
                                      page_stride, row_stride, head_stride);
-  int S = budgets[row];
-  S = S < 0 ? 0 : (S > max_budget ? max_budget : S);
-  // santa_prop_budgets gives S >= 1 to every non-empty row; kept safe whatever the buffer
-  // holds (S = 0 would divide by zero below).
-  if (S == 0 && stream_length(seq_lens, table, (int)(row / Hq), N) > 0) S = 1;
-  if (idx_out)
-    for (int m = S + threadIdx.x; m < max_budget; m += kSampleThreads)
-      idx_out[row * max_budget + m] = -1;
+  int S = max_budget;
+  if (budgets) {
+    S = budgets[row];
+    S = S < 0 ? 0 : (S > max_budget ? max_budget : S);
+    // santa_prop_budgets gives S >= 1 to every non-empty row; kept safe whatever the
+    // buffer holds (S = 0 would divide by zero below).
+    if (S == 0 && stream_length(seq_lens, table, (int)(row / Hq), N) > 0) S = 1;
+    if (idx_out)
+      for (long long m = S + threadIdx.x; m < idx_ld; m += kSampleThreads)
+        idx_out[row * idx_ld + m] = -1;
+  }
   prop_sample_row<T, D>(row, v, seq_lens, table, logits, tile_m, tile_l, C, iid_points, idx32,
                         idx_out, out, Hq, G, N, n_pad, n_tiles, tile_size, S,
-                        (long long)max_budget, sampler, seed, offset, seed_ptr, offset_ptr,
-                        streams, purpose, nullptr, nullptr, 0, 0);
+                        (long long)max_budget, idx_ld, rng_stream, sampler, seed, offset,
+                        seed_ptr, offset_ptr, streams, purpose, part_o, part_ml,
+                        part_o ? 1 : 0, 0);
 }
 
 // Sum of one float64 per thread over the block, in a fixed order (deterministic); every
@@ -760,17 +810,70 @@ __device__ double block_sum_f64(double x, double* sm) {
   return t;
 }
 
-// One CTA per (b, query head) row: the budget S of choose_budgets(norm="pilot") on the
-// device, between pass 1 and the sampling.
+// Max of one float64 per thread over the block; every thread gets it. As block_sum_f64.
+__device__ double block_max_f64(double x, double* sm) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x = fmax(x, __shfl_xor_sync(0xffffffffu, x, off));
+  if (lane == 0) sm[warp] = x;
+  __syncthreads();
+  double t = sm[0];
+  for (int w = 1; w < kSampleWarps; ++w) t = fmax(t, sm[w]);
+  __syncthreads();
+  return t;
+}
+
+// u . v_J summed over the draws J = pilot_b[m], m < S_B (a warp per draw, lanes over d,
+// float64), of (u . v_J - t)^2 when `centre`: the studentised pilot's t_B and spread.
+// v is read as 16-bit elements (dtype 0 float16, 1 bfloat16) at row J of stream (b, kvh),
+// contiguous (B, Hkv, N, D) or through the page table (strides in elements). Every
+// thread gets the block total. Contains __syncthreads.
+__device__ double student_sum(const unsigned short* __restrict__ v, int dtype,
+                              const PageTable& table, const int* pages, long long base,
+                              const float* __restrict__ oa, double na,
+                              const int* __restrict__ draws, int S_B, int D, bool centre,
+                              double t, double* sm) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  double acc = 0.0;
+  for (int m = warp; m < S_B; m += kSampleWarps) {
+    const long long J = __ldg(draws + m);
+    long long at;
+    if (pages) {
+      const int p = (int)(J / table.page_size);
+      at = (long long)__ldg(pages + p) * table.page_stride
+           + (J - (long long)p * table.page_size) * table.row_stride + base;
+    } else {
+      at = base + J * D;
+    }
+    double proj = 0.0;
+    for (int d = lane; d < D; d += 32) {
+      const unsigned short h = __ldg(v + at + d);
+      const float x = dtype == 0 ? Elem<f16>::to_float(h) : Elem<bf16>::to_float(h);
+      proj += ((double)oa[d] / na) * (double)x;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) proj += __shfl_xor_sync(0xffffffffu, proj, off);
+    if (lane == 0) acc += centre ? (proj - t) * (proj - t) : proj;
+  }
+  return block_sum_f64(acc, sm);
+}
+
+// One CTA per (b, query head) row: the budget S of choose_budgets (norm "pilot", or
+// "student" with `student` = 1) on the device, between pass 1 and the sampling.
 //   m2 = sum_j exp(x_j - m*) ||v_j||^2 / sum_j exp(x_j - m*) over the sequence (float64
 //        sums of the stashed fp32 logits; m* = max_t m_t), ||v_j||^2 the float32 norms
 //        kept beside the cache: (B, Hkv, N) contiguous, or the V pool's shape without D
 //        for a paged cache (strides sq_*; pages through the page table);
-//   y  = ||o_p||, o_p the pilot's fp32 mean (santa_prop_sample on purpose
-//        PURPOSE_BUDGET_PILOT, stratified, `pilot_o` rows of D);
-//   L  = pilot_norm_lower(y, m2, k_pilot) (the closed-form smaller root, no cancellation);
+//   pilot: y = ||o_p||, o_p the pilot's fp32 mean (`pilot_o`: santa_prop_sample_budgets
+//        on purpose PURPOSE_BUDGET_PILOT, stratified, stream 0), and
+//        L = pilot_norm_lower(y, m2, k_pilot) (the closed-form smaller root);
+//   student: o_A = `pilot_o` (set A, stream 1), u = o_A / ||o_A||; over set B's S_B
+//        draws (`pilot_b`, stream 2) t_B = mean u . v_J and s_B^2 = sum (u . v_J - t_B)^2
+//        / (S_B - 1) (centred); vmax = max ||v_j|| over the tokens of positive weight;
+//        L = min(sqrt(m2), max(0, t_B - max(z s_B / sqrt(S_B), 2 vmax / S_B)))
+//        (reference/budgets.py student_norm_lower; 0 without a direction or with S_B < 2);
 //   S  = min(max_budget, max(1, ceil(c_main (m2 - L^2) / (eps^2 L^2)))), compared in
-//        float64 before any int conversion, exactly in the reference's order of operations.
+//        float64 before any int conversion, in the reference's order of operations.
 // Writes budgets (int32), capped (int32 0/1), error_bound, norm_sq_lower (L^2) and
 // second_moment (m2), float64. Empty rows: S = 0, bound 0. Rows that read a NaN or an
 // infinity (m* not finite): S = 1 (the sampling writes their NaN row), capped, NaN bound.
@@ -781,11 +884,13 @@ santa_prop_budgets(const float* __restrict__ logits, const float* __restrict__ t
                    int page_size, long long page_stride, int row_stride, int head_stride,
                    const float* __restrict__ sqnorms, long long sq_page_stride,
                    int sq_row_stride, int sq_head_stride, const float* __restrict__ pilot_o,
+                   const void* __restrict__ v, const int* __restrict__ pilot_b,
                    int* __restrict__ budgets, int* __restrict__ capped,
                    double* __restrict__ error_bound, double* __restrict__ norm_sq_lower,
                    double* __restrict__ second_moment, int Hq, int G, long long N,
                    long long n_pad, long long n_tiles, int tile_size, int D, double eps,
-                   double c_main, double k_pilot, int max_budget) {
+                   double c_main, double k_pilot, int max_budget, int student, int dtype,
+                   int S_B, double z) {
   STOCHATTN_PDL_ENTRY();
   __shared__ float sm_f[kSampleWarps + 1];
   __shared__ double sm_d[kSampleWarps];
@@ -834,7 +939,7 @@ santa_prop_budgets(const float* __restrict__ logits, const float* __restrict__ t
   } else {
     sq += ((long long)b * Hkv + kvh) * N;
   }
-  double num = 0.0, den = 0.0;
+  double num = 0.0, den = 0.0, vmax2 = 0.0;
   for (long long j = tid; j < len; j += kSampleThreads) {
     const double w = exp((double)xrow[j] - mstar);  // <= 1
     long long at = j;
@@ -843,33 +948,60 @@ santa_prop_budgets(const float* __restrict__ logits, const float* __restrict__ t
       at = (long long)__ldg(pages + p) * sq_page_stride
            + (j - (long long)p * page_size) * sq_row_stride;
     }
+    const double sqv = (double)__ldg(sq + at);
     den += w;
-    num += w * (double)__ldg(sq + at);
+    num += w * sqv;
+    if (w > 0.0) vmax2 = fmax(vmax2, sqv);
   }
+  const float* orow_p = pilot_o + row * D;
   double y2 = 0.0;
   for (int d = tid; d < D; d += kSampleThreads) {
-    const double o = (double)pilot_o[row * D + d];
+    const double o = (double)orow_p[d];
     y2 += o * o;
   }
   num = block_sum_f64(num, sm_d);
   den = block_sum_f64(den, sm_d);
   y2 = block_sum_f64(y2, sm_d);
-  if (tid != 0) return;
   // The formula in the reference's operations and order, each rounded once: the _rn
   // intrinsics keep the compiler from contracting a * b + c into an FMA, so S, capped
   // and the bound are the bits NumPy computes from the same m2 and L^2
   // (tests/gpu/test_cuda_santa_budgets.py recomputes them).
   const double m2 = den > 0.0 ? __ddiv_rn(num, den) : 0.0;  // den >= 1: the max row's exp(0)
-  // pilot_norm_lower (reference/budgets.py).
-  const double y = __dsqrt_rn(y2);
-  const double yy = __dmul_rn(y, y);
-  const double k = k_pilot;
-  const double kp1 = __dadd_rn(1.0, k);
-  const double km2 = __dmul_rn(k, m2);
-  const double disc = fmax(__dmul_rn(k, __dsub_rn(__dmul_rn(kp1, m2), yy)), 0.0);
-  double root = __ddiv_rn(__dsub_rn(yy, km2), __dadd_rn(y, __dsqrt_rn(disc)));
-  if (yy > __dmul_rn(kp1, m2)) root = __dsqrt_rn(__ddiv_rn(m2, kp1));
-  const double L = yy > km2 ? root : 0.0;
+  double L = 0.0;
+  if (student) {
+    vmax2 = block_max_f64(vmax2, sm_d);
+    const double na = __dsqrt_rn(y2);  // ||o_A||
+    if (na > 0.0 && S_B > 1) {  // uniform over the block
+      long long base;
+      if (pages)
+        base = (long long)kvh * head_stride;
+      else
+        base = ((long long)b * Hkv + kvh) * N * D;
+      const unsigned short* vv = static_cast<const unsigned short*>(v);
+      const int* draws = pilot_b + row * S_B;
+      const double sb = (double)S_B;
+      const double t = __ddiv_rn(student_sum(vv, dtype, table, pages, base, orow_p, na, draws,
+                                             S_B, D, false, 0.0, sm_d), sb);
+      const double s2 = __ddiv_rn(student_sum(vv, dtype, table, pages, base, orow_p, na, draws,
+                                              S_B, D, true, t, sm_d), sb - 1.0);
+      const double width = fmax(__dmul_rn(z, __dsqrt_rn(__ddiv_rn(s2, sb))),
+                                __ddiv_rn(__dmul_rn(2.0, __dsqrt_rn(vmax2)), sb));
+      L = fmin(fmax(__dsub_rn(t, width), 0.0), __dsqrt_rn(m2));
+    }
+  }
+  if (tid != 0) return;
+  if (!student) {
+    // pilot_norm_lower (reference/budgets.py).
+    const double y = __dsqrt_rn(y2);
+    const double yy = __dmul_rn(y, y);
+    const double k = k_pilot;
+    const double kp1 = __dadd_rn(1.0, k);
+    const double km2 = __dmul_rn(k, m2);
+    const double disc = fmax(__dmul_rn(k, __dsub_rn(__dmul_rn(kp1, m2), yy)), 0.0);
+    double root = __ddiv_rn(__dsub_rn(yy, km2), __dadd_rn(y, __dsqrt_rn(disc)));
+    if (yy > __dmul_rn(kp1, m2)) root = __dsqrt_rn(__ddiv_rn(m2, kp1));
+    L = yy > km2 ? root : 0.0;
+  }
   const double L2 = __dmul_rn(L, L);
   const double var = fmax(__dsub_rn(m2, L2), 0.0);
   const double cvar = __dmul_rn(c_main, var);
