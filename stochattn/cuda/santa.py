@@ -576,8 +576,9 @@ kernel, out, workspace
 def targeted_workspace_bytes(batch, q_heads, kv_heads, tokens, head_dim, max_budget, pilot, *,
                              tile_size=64, sampler="systematic") -> int:
     """Scratch bytes of one :func:`santa_prop_targeted` call: :func:`workspace_bytes` at
-    S = ``max_budget`` plus, per (b, h) row, the pilot's mean (4 D), its drawn rows
-    (4 ``pilot``), its partial (8) and the budgets (32)."""
+    S = ``max_budget`` plus, per (b, h) row, the pilot sets' means (8 D), their drawn rows
+    (4 ``pilot``), their partials (16) and the budgets (32); each piece rounded up to 256
+    bytes."""
     rows, groups = batch * q_heads, batch * kv_heads
     n_tiles = math.ceil(tokens / tile_size)
     return launch.layout(_scratch_sizes(rows, groups, n_tiles * tile_size, n_tiles, max_budget,
