@@ -377,7 +377,7 @@ def main(argv=None):
         per = []
         for f in args.merge:
             per += json.load(open(f))["per_play"]
-        plays = [r["play"] for r in per]
+        plays = list(dict.fromkeys(r["play"] for r in per))  # each play once (seeds)
         tuning = args.tuning or []
         meta = json.load(open(args.merge[0]))
         data = {k: meta[k] for k in ("date", "machine", "model", "n_tokens", "stride")}
