@@ -199,33 +199,14 @@ def santa_prop(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_siz
                     k_feature_major, out, workspace)
 
 
-_EXTRA_MODULES: dict = {}  # (name, device, options, dtypes) -> cupy.RawModule
-
-
 def extra_kernel(name: str, cfg=None):
-    """A santa_prop kernel added with the error-targeted budgets (``santa_prop_budgets``,
-    ``santa_prop_sample_budgets<T, D>``, ``value_sqnorms_rows``), compiled on first use.
-
-    Through the runtime's module cache when ``kernels.name_expressions("santa_prop")``
-    lists it; until that table (stochattn/cuda/kernels/__init__.py) lists these names, the
-    instantiation is compiled here from the same expanded source with the same options
-    (one module per instantiation, as the runtime does)."""
+    """A santa_prop kernel of the error-targeted budgets (``santa_prop_budgets``,
+    ``santa_prop_sample_budgets<T, D>``, ``value_sqnorms_rows``), through the runtime's
+    module cache (compiled on first use, one module per instantiation)."""
     from .runtime import launch as _launch
 
     cfg = _launch.gpu_config(cfg)
-    if name in kernels.name_expressions(_FAMILY, cfg.dtypes):
-        return _launch.get_kernel(_FAMILY, name, cfg)
-    import cupy
-
-    dev = cupy.cuda.Device().id
-    options = cfg.tiling.options()
-    key = (name, dev, options, cfg.dtypes)
-    mod = _EXTRA_MODULES.get(key)
-    if mod is None:
-        mod = cupy.RawModule(code=kernels.source_text(_FAMILY), options=options,
-                             name_expressions=[name])
-        mod = _EXTRA_MODULES.setdefault(key, mod)
-    return mod.get_function(name)
+    return _launch.get_kernel(_FAMILY, name, cfg)
 
 
 def workspace_bytes(batch, q_heads, kv_heads, tokens, head_dim, budget, *, tile_size=64,

@@ -108,6 +108,7 @@ def name_expressions(family: str, dtypes=None) -> list:
                     names += [k("santa_prop_logits").expr(T=T, D=d, GMAX=gm, QHAT=qhat)
                               for qhat in (False, True)]
                 names.append(k("santa_prop_sample").expr(T=T, D=d))
+                names.append(k("santa_prop_sample_budgets").expr(T=T, D=d))
                 names += [k("santa_prop_logits_tc").expr(T=T, D=d, **t.params())
                           for t in PROP_TC_TILINGS]
             names.append(k("bernoulli_qhat").expr(T=T))
@@ -131,6 +132,8 @@ def name_expressions(family: str, dtypes=None) -> list:
             names.append(k("exact_decode_merge").expr(T=T))
     if family == "santa_prop":
         names.append(k("santa_prop_tiles").expr())  # not a template: one kernel for every dtype
+        # error-targeted budgets (not templates either)
+        names += [k("santa_prop_budgets").expr(), k("value_sqnorms_rows").expr()]
     if family == "doublep_decode":
         names += [k("doublep_select").expr(), k("doublep_select_sorted").expr()]
         names += [k("doublep_rows").expr(GMAX=gm, SAMPLE=flag) for gm in GROUP_MAXES
