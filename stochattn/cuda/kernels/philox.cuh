@@ -129,8 +129,8 @@ STOCHATTN_HD double systematic_point(int m, double u, int S) {
   return ((double)m + u) / (double)S;
 }
 
-STOCHATTN_HD double stratified_point(const RngStream& rs, int m, int S) {
-  return ((double)m + (double)rs.uniform(0u, (unsigned)m)) / (double)S;
+STOCHATTN_HD double stratified_point(const RngStream& rs, int m, int S, unsigned stream = 0u) {
+  return ((double)m + (double)rs.uniform(stream, (unsigned)m)) / (double)S;
 }
 
 // Exponential spacing E_i = -log(u_i) of the iid sampler (draw i, i = 0..S). The iid points
@@ -140,20 +140,23 @@ STOCHATTN_HD double stratified_point(const RngStream& rs, int m, int S) {
 // sequential cumsum, so iid points can differ from the reference in the last bits (a
 // relative 1e-15), which changes an index only when a point falls within that distance of
 // a CDF boundary.
-STOCHATTN_HD double iid_spacing(const RngStream& rs, int i) {
-  return -log((double)rs.uniform(0u, (unsigned)i));
+STOCHATTN_HD double iid_spacing(const RngStream& rs, int i, unsigned stream = 0u) {
+  return -log((double)rs.uniform(stream, (unsigned)i));
 }
 
-// The S sample points of one row, in float64 exactly as samplers.sample_points.
+// The S sample points of one row on Philox stream `stream` of its RngStream, in float64
+// exactly as samplers.sample_points (the reference's uniforms(..., stream, m)); stream 0
+// for the estimator's points, others for the error-targeted budgets' pilot sets.
 struct Points {
   int sampler, S;
-  double u;           // systematic offset (draw 0)
+  unsigned stream = 0u;
+  double u;           // systematic offset (draw 0 of the stream)
   RngStream rs;
   const double* iid;  // iid: the S sorted points (scratch)
 
   STOCHATTN_HD double operator()(int m) const {
     if (sampler == SAMPLER_SYSTEMATIC) return systematic_point(m, u, S);
-    if (sampler == SAMPLER_STRATIFIED) return stratified_point(rs, m, S);
+    if (sampler == SAMPLER_STRATIFIED) return stratified_point(rs, m, S, stream);
     return iid[m];
   }
 

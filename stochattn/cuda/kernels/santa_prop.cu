@@ -452,48 +452,11 @@ __device__ __forceinline__ void write_nan_row(T* __restrict__ orow, float* __res
     for (int m = threadIdx.x; m < S; m += blockDim.x) idx_out[row * ld + m] = -1;
 }
 
-// The points of one row on Philox stream `stream` of its (seed, offset, purpose, row):
-// philox.cuh's Points (stream 0) for any stream, the same float64 arithmetic (the
-// reference's uniforms(..., stream, m)).
-struct RowPoints {
-  int sampler, S;
-  unsigned stream;
-  double u;           // systematic offset (draw 0)
-  RngStream rs;
-  const double* iid;  // iid: the S sorted points (scratch)
-
-  __device__ double operator()(int m) const {
-    if (sampler == SAMPLER_SYSTEMATIC) return systematic_point(m, u, S);
-    if (sampler == SAMPLER_STRATIFIED)
-      return ((double)m + (double)rs.uniform(stream, (unsigned)m)) / (double)S;
-    return iid[m];
-  }
-
-  // n(c) = #{m : T_m * Z < c} (Points::count_below).
-  __device__ int count_below(double c, double Z) const {
-    if (sampler == SAMPLER_IID) {
-      int lo = 0, hi = S;
-      while (lo < hi) {
-        const int mid = (lo + hi) >> 1;
-        if ((*this)(mid) * Z < c) lo = mid + 1; else hi = mid;
-      }
-      return lo;
-    }
-    const double g = (double)S * (c / Z);
-    double guess = sampler == SAMPLER_SYSTEMATIC ? ceil(g - u) : floor(g);
-    guess = fmin(fmax(guess, 0.0), (double)S);
-    int n = (int)guess;
-    while (n > 0 && !((*this)(n - 1) * Z < c)) --n;
-    while (n < S && (*this)(n) * Z < c) ++n;
-    return n;
-  }
-};
-
 // The work of one santa_prop_sample CTA on row `row` (= b * Hq + h) with S points;
 // `ld` is the row stride of idx32 (and ld + 1 of iid_points): S for the fixed-budget
 // kernel, the plan's max_budget for santa_prop_sample_budgets (per-row S); `idx_ld` that
-// of idx_out. `rng_stream`: the Philox stream of the points (RowPoints; 0 for the
-// estimator and the pilot, 1 and 2 for the studentised pilot's two sets).
+// of idx_out. `rng_stream`: the Philox stream of the points (philox.cuh's Points; 0 for
+// the estimator and the pilot, 1 and 2 for the studentised pilot's two sets).
 // The points of a row depend only on its own S (docs/rng.md), so a row with S draws
 // exactly what a fixed-S call draws. Called by the whole block after the PDL entry.
 template <typename T, int D>
@@ -577,7 +540,7 @@ __device__ __forceinline__ void prop_sample_row(
   }
 
   // b. Sample points.
-  RowPoints P;
+  Points P;
   P.stream = rng_stream;
   P.sampler = sampler;
   P.S = S;
@@ -594,7 +557,7 @@ __device__ __forceinline__ void prop_sample_row(
     const int i0 = min(tid * sg, n), i1 = min(i0 + sg, n);
     double r = 0.0;
     for (int i = i0; i < i1; ++i) {
-      r += -log((double)P.rs.uniform(rng_stream, (unsigned)i));  // iid_spacing on the stream
+      r += iid_spacing(P.rs, i, rng_stream);
       pr[i] = r;
     }
     const double ec = block_exclusive_sum(r, sm_d);
