@@ -96,14 +96,14 @@ softmax_scale, check_finite
             self.budget = val.check_budget("budget", budget)
             self.delta = self.max_budget = None
         else:
-            from .reference import budgets as _budgets
+            from . import budget_rules as _budgets
 
             if budget is not None:
                 raise ValueError("give either `budget` or `eps` (error-targeted budgets), "
                                  f"not both; got budget={budget!r} and eps={eps!r}")
             if delta is None or max_budget is None:
                 raise ValueError("`eps` needs `delta` and `max_budget`")
-            # One set of rules: the reference's checks (messages name the argument).
+            # One set of rules for both backends (messages name the argument).
             _budgets.check_options(eps, delta, max_budget, budget_rule, budget_norm, pilot,
                                    pilot_share)
             if budget_norm == "oracle":

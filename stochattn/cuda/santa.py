@@ -582,7 +582,7 @@ class _TargetedPlan:
 
     def __init__(self, inp, cfg, eps, delta, max_budget, rule, norm, pilot, pilot_share,
                  sampler, tile_size, softmax_scale, return_indices, return_budgets, kernel):
-        from ..reference import budgets as _budgets
+        from .. import budget_rules as _budgets
         from ..spec import PURPOSE_BUDGET_PILOT
 
         _budgets.check_options(eps, delta, max_budget, rule, norm, pilot, pilot_share)

@@ -79,10 +79,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from statistics import NormalDist
 
 import numpy as np
 
+from ..budget_rules import (CLT_MAX_DELTA, NORMS, RULES, check_options, student_split,
+                            student_z, tail_factor)
 from .common import kv_head_of, lengths, logits, masked_weights
 from .rng import uniforms
 
@@ -105,30 +106,8 @@ __all__ = [
     "santa_attention_targeted",
 ]
 
-RULES = ("chebyshev", "clt")
-NORMS = ("pilot", "oracle", "student")
 # The pilot's draws: purpose 4 of the shared stream (stochattn.spec, docs/rng.md).
 from ..spec import PURPOSE_BUDGET_PILOT  # noqa: E402
-# Szekely-Bakirov: the one-eigenvalue tail is the largest for thresholds x > 1.5364 (times the
-# mean), i.e. delta = P(Z^2 > x) < 0.2148; 0.2 keeps a margin.
-CLT_MAX_DELTA = 0.2
-
-
-def tail_factor(rule: str, delta: float) -> float:
-    """c(delta): P(||o_hat - o||^2 > c E||o_hat - o||^2) <= delta under ``rule``.
-
-    ``"chebyshev"``: 1 / delta (Markov). ``"clt"``: z_{1 - delta/2}^2, the one-degree
-    chi-square quantile (Szekely-Bakirov worst case of a Gaussian quadratic form with known
-    trace); delta must be <= 0.2.
-    """
-    if rule == "chebyshev":
-        return 1.0 / delta
-    if rule == "clt":
-        if delta > CLT_MAX_DELTA:
-            raise ValueError(f"`delta` must be <= {CLT_MAX_DELTA} with rule='clt' (the one-"
-                             f"eigenvalue tail bound needs it), got {delta}")
-        return NormalDist().inv_cdf(1.0 - delta / 2.0) ** 2
-    raise ValueError(f"`rule` must be one of {', '.join(map(repr, RULES))}, got {rule!r}")
 
 
 @dataclass(frozen=True)
@@ -285,22 +264,6 @@ def pilot_norm_lower(y: np.ndarray, m2: np.ndarray, k: float) -> np.ndarray:
     return np.where(y2 > k * m2, root, 0.0)
 
 
-def student_split(pilot: int) -> tuple[int, int]:
-    """(S_A, S_B) of ``norm="student"``: a quarter of the pilot (at least 1) for the
-    direction, the rest for the scalar bound (64 / 192 gave lower costs than 128 / 128 on
-    the SmolLM2 traces, docs/budgets.md)."""
-    sa = max(1, int(pilot) // 4)
-    return sa, int(pilot) - sa
-
-
-def student_z(delta_pilot: float) -> float:
-    """The one-sided factor of the studentised bound, z_{1 - delta_pilot}, under either rule:
-    the spread is estimated, so the bound is asymptotic whatever the main draws' rule, and
-    Cantelli's sqrt((1 - delta_pilot) / delta_pilot) would buy no guarantee (it needs the
-    true spread) at 3-9x the width (measured: 50% of the heads capped at delta 0.01)."""
-    return NormalDist().inv_cdf(1.0 - delta_pilot)
-
-
 def student_norm_lower(counts_a: np.ndarray, counts_b: np.ndarray, v: np.ndarray, m2: np.ndarray,
                        z: float, vmax: np.ndarray) -> np.ndarray:
     """L of ``norm="student"`` (module docstring), float64 (B, Hq).
@@ -339,34 +302,6 @@ def student_norm_lower(counts_a: np.ndarray, counts_b: np.ndarray, v: np.ndarray
     # u . o <= ||o|| <= sqrt(m2) (Jensen); o_A = 0 gives no direction: L = 0.
     L = np.where((na > 0) & (sb > 1), np.clip(L, 0.0, None), 0.0).reshape(B, Hq)
     return np.minimum(L, np.sqrt(m2))
-
-
-def check_options(eps, delta, max_budget, rule, norm, pilot, pilot_share):
-    """The options of :func:`choose_budgets` (one set of rules, also for the plans):
-    TypeError for types, ValueError for values; messages name the argument."""
-    for name, value in (("eps", eps), ("delta", delta), ("pilot_share", pilot_share)):
-        if not isinstance(value, (int, float, np.floating, np.integer)) or isinstance(value, bool):
-            raise TypeError(f"`{name}` must be a real number, got {type(value).__name__}")
-    if not (0.0 < eps and math.isfinite(eps)):
-        raise ValueError(f"`eps` must be finite and > 0, got {eps}")
-    if not (0.0 < delta < 1.0):
-        raise ValueError(f"`delta` must lie in (0, 1), got {delta}")
-    if not (0.0 < pilot_share < 1.0):
-        raise ValueError(f"`pilot_share` must lie in (0, 1), got {pilot_share}")
-    for name, value in (("max_budget", max_budget), ("pilot", pilot)):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-            raise TypeError(f"`{name}` must be an integer, got {type(value).__name__}")
-        if value < 1:
-            raise ValueError(f"`{name}` must be >= 1, got {value}")
-    if rule not in RULES:
-        raise ValueError(f"`rule` must be one of {', '.join(map(repr, RULES))}, got {rule!r}")
-    if rule == "clt":
-        tail_factor(rule, delta)  # delta <= CLT_MAX_DELTA, reported with the caller's delta
-    if norm not in NORMS:
-        raise ValueError(f"`norm` must be one of {', '.join(map(repr, NORMS))}, got {norm!r}")
-    if norm == "student" and pilot < 4:
-        raise ValueError(f"`pilot` must be >= 4 with norm='student' (two draw sets, a spread "
-                         f"from at least 3 draws), got {pilot}")
 
 
 def pilot_size(eps: float, delta: float, rule: str, budget: int, pilot_share: float = 0.25,
