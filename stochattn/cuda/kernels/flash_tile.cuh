@@ -37,10 +37,12 @@ struct WarpTiling {
 // per row in cnt ([GMAX][TS], zero on entry and on return), and the gather of the drawn V
 // rows of the stream `vrows` (contiguous or paged, kv_rows.cuh; lane lr = lane % (D / 8)
 // owns features [8 lr, 8 lr + 8) of row group lane / (D / 8)).
-// t: the tile's global index (its Philox stream); tok0: its first token.
+// t: the tile's global index (its Philox stream); tok0: its first token; end: the chunk's
+// end (rows at or past it have -inf logits and are never drawn).
 template <typename T, int D, int GMAX>
 __device__ __forceinline__ void flash_tile_epilogue(
-    float* xs, int XS, int* cnt, int* list, int TS, int G, long long tok0, long long t,
+    float* xs, int XS, int* cnt, int* list, int TS, int G, long long tok0, long long end,
+    long long t,
     long long head0, long long n_tiles, float* __restrict__ tile_m_out,
     float* __restrict__ tile_l_out, long long* __restrict__ idx_out, long long idx_stride, int St,
     int sampler, unsigned long long seed, unsigned offset, const KvRows<D>& vrows, int lane,
@@ -49,6 +51,9 @@ __device__ __forceinline__ void flash_tile_epilogue(
   constexpr int RG = 32 / LPR;
   constexpr int U = kFlashGatherUnroll;
   const int lr = lane % LPR, rg = lane / LPR;
+  // Paged caches: the tile's page numbers, loaded now and first used by the gather of
+  // step 4, so that their latency hides behind steps 2-3.
+  const TilePages tp = TilePages::load(vrows, tok0, end, TS, lane);
   // ---- 2. tile statistics and local CDFs, several heads at once ----
   // Heads go in batches of HPB = min(GMAX, 256 / TS); head g of a batch owns a segment
   // of W = 32 / HPB lanes, lane sl of it the rpl = TS / W (<= 8) consecutive rows
@@ -228,9 +233,10 @@ __device__ __forceinline__ void flash_tile_epilogue(
       const int i = p0 + u * RG + rg;
       rows[u] = i < nused ? list[i] : -1;
       // A drawn row lies in the sequence (weight > 0), so the load (and, paged, the page
-      // number it looks up) is in bounds.
+      // number it may look up) is in bounds.
+      const long long off = tp.offset(vrows, tok0 + rows[u], rows[u] >= 0);
       raw[u] = rows[u] >= 0
-                   ? __ldg(reinterpret_cast<const uint4*>(vrows.row(tok0 + rows[u]) + lr * 16))
+                   ? __ldg(reinterpret_cast<const uint4*>(vrows.base + off + lr * 16))
                    : make_uint4(0u, 0u, 0u, 0u);
     }
 #pragma unroll

@@ -91,6 +91,52 @@ struct KvRows {
   }
 };
 
+// The page numbers of a warp's tile of rows [tok0, min(tok0 + nrows, end)) of a paged
+// stream, loaded once, one page per lane, ahead of a gather of some of those rows: the
+// gather then finds a row's page with a shuffle (`TilePages::offset`) instead of a
+// dependent page-number load per row. `on` (uniform over the warp) is false for a
+// contiguous stream, an empty tile, or a tile over more than 32 pages (pages of fewer than
+// nrows / 31 tokens); `offset` then computes the address as KvRows::offset does.
+struct TilePages {
+  long long page_off;  // this lane's page: (its page number) * page_bytes
+  int first;           // index into KvRows::pages of the tile's first page
+  bool on;
+
+  template <int D>
+  __device__ __forceinline__ static TilePages load(const KvRows<D>& rows, long long tok0,
+                                                   long long end, int nrows, int lane) {
+    TilePages tp;
+    tp.page_off = 0;
+    tp.first = 0;
+    tp.on = false;
+    const long long last_row = (tok0 + nrows < end ? tok0 + nrows : end) - 1;
+    if (!rows.pages || last_row < tok0) return tp;
+    tp.first = rows.page_index((int)tok0);
+    const int last = rows.page_index((int)last_row);
+    if (last - tp.first >= 32) return tp;
+    tp.on = true;
+    // Only the tile's own pages: every one lies in the sequence (rows < end <= length).
+    if (tp.first + lane <= last)
+      tp.page_off = (long long)__ldg(rows.pages + tp.first + lane) * rows.page_bytes;
+    return tp;
+  }
+
+  // Byte offset of row n (in [tok0, end) when `live`) from rows.base. Every lane of the
+  // warp calls it together (the shuffle); a lane whose row is not live gets an unused
+  // value and loads nothing.
+  template <int D>
+  __device__ __forceinline__ long long offset(const KvRows<D>& rows, long long n,
+                                              bool live) const {
+    if (on) {
+      const int r = live ? (int)n : 0;
+      const int p = live ? rows.page_index(r) : first;
+      const long long po = __shfl_sync(0xffffffffu, page_off, p - first);
+      return po + (long long)(r - p * rows.page_size) * rows.row_bytes;
+    }
+    return live ? rows.offset(n) : 0;
+  }
+};
+
 // The rows of stream (b, kvh) of `cache` (16-bit elements): contiguous (B, Hkv, N, D)
 // when the table is not paged, else the pool read through the page table.
 template <int D>

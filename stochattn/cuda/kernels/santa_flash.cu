@@ -218,9 +218,9 @@ santa_flash_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __r
     __syncwarp();
 
     const long long t = (start >> tile_shift) + (long long)j * kWarps + warp;  // the Philox stream
-    flash_tile_epilogue<T, D, GMAX>(xs, TS, cnt, list, TS, G, tok0, t, head0, n_tiles, tile_m_out,
-                                    tile_l_out, idx_out, idx_stride, St, sampler, seed, offset,
-                                    vrows, lane, M, L, acc);
+    flash_tile_epilogue<T, D, GMAX>(xs, TS, cnt, list, TS, G, tok0, end, t, head0, n_tiles,
+                                    tile_m_out, tile_l_out, idx_out, idx_stride, St, sampler,
+                                    seed, offset, vrows, lane, M, L, acc);
   }
   cp_async_wait<0>();
   __syncthreads();  // every warp left the loop: the shared memory becomes the merge buffer

@@ -138,7 +138,7 @@ santa_flash_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* 
     __syncwarp();  // the tile's logits are visible to every lane
 
     const long long t = (start >> tile_shift) + (long long)j * WARPS + warp;  // the Philox stream
-    flash_tile_epilogue<T, D, GMAX>(xs, XS, cnt, list, TS, G, tok0, t, head0, n_tiles,
+    flash_tile_epilogue<T, D, GMAX>(xs, XS, cnt, list, TS, G, tok0, end, t, head0, n_tiles,
                                     tile_m_out, tile_l_out, idx_out, idx_stride, St, sampler,
                                     seed, offset, vrows, lane, M, L, acc);
   }
