@@ -183,6 +183,27 @@ def test_index_build_from_pages_equals_the_contiguous_prefix(dtype, page_size, l
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("method", ["scan", "gemm"])
+def test_index_does_not_depend_on_the_cache_capacity(dtype, method):
+    """A static cache of capacity N holding max(len) < N tokens gives the index of its
+    prefix bit for bit (a serving loop builds on its whole static cache; the paged loop on
+    the gathered prefix), on either k-means path."""
+    from stochattn.cuda.kmeans import kmeans_gpu
+
+    lens = np.array([400, 0, 1, 389], dtype=np.int32)
+    q, k, v, _, _ = make_paged(dtype, page_size=16, layout="NHD", combined=False, lens=lens)
+    Ng = int(lens.max())
+    opts = dict(INDEX, method=method)
+    got = kmeans_gpu(k, v, lens, **opts)
+    want = kmeans_gpu(prefix(k, Ng), prefix(v, Ng), lens, **opts)
+    for name in ("centroids", "sizes", "value_sums", "labels", "window_start"):
+        x, y = host(got[name]), host(want[name])
+        if name == "labels":
+            x, y = x[..., :Ng], y[..., :Ng]
+        assert np.array_equal(x, y), (method, name)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("page_size, layout, combined", [(1, "HND", True), (16, "NHD", False),
                                                          (128, "HND", False)])
 def test_append_from_pages_equals_contiguous(dtype, page_size, layout, combined):
