@@ -150,7 +150,7 @@ def main(argv=None):
         index = None
         # FlashInfer on the combined pool (what engines and the decode loop pass), and on
         # the same pool as two strided (K, V) views (this benchmark's baseline before
-        # 2026-12-07, 3-8x slower than the combined pool: kept to show the difference).
+        # 2026-12-07, 3-8x slower than the loop's figure for FlashInfer: kept to compare).
         for fi_name, pages in (("flashinfer paged (tc)", pool),
                                ("flashinfer paged (tc), K/V views",
                                 (cache.k_pages, cache.v_pages))):
