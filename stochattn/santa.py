@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from . import _validation as val
@@ -15,10 +13,6 @@ from .reference.common import finish, lengths, union_rows_per_kv_head
 from .spec import SAMPLERS, SCHEDULES, SCORES
 
 __all__ = ["SantaPlan", "santa_attention"]
-
-# Error-targeted budgets on the GPU are opt-in until their GPU tests have run on a GPU
-# (docs/budgets.md, "GPU"): set this environment variable to "1".
-GPU_BUDGETS_ENV = "STOCHATTN_GPU_BUDGETS"
 
 
 class SantaPlan(Plan):
@@ -146,12 +140,6 @@ softmax_scale, check_finite
     def _cuda_missing(self) -> list[str]:
         if self.eps is not None:
             missing = []
-            if os.environ.get(GPU_BUDGETS_ENV) != "1":
-                # Built (stochattn.cuda.santa.santa_prop_targeted) but not yet run on a GPU:
-                # opt-in until tests/gpu/test_cuda_santa_budgets.py has passed on one.
-                missing.append(f"error-targeted budgets (`eps`) on the GPU are built but not yet "
-                               f"verified on a GPU; set {GPU_BUDGETS_ENV}=1 to use them "
-                               "(docs/budgets.md)")
             if self.schedule != "prop":
                 missing.append("error-targeted budgets (`eps`) with schedule="
                                f"{self.schedule!r}; the GPU has them with schedule='prop' "

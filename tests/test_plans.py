@@ -334,8 +334,9 @@ def test_a_doublep_index_builds_and_grows_from_a_paged_cache():
 
 def test_error_targeted_budgets_through_the_plan():
     """eps/delta/max_budget instead of budget (docs/budgets.md): per-head budgets in the
-    diagnostics, each head the draws of a fixed-budget call with its own S; refused on the GPU
-    with the reason; budget and eps together are an error."""
+    diagnostics, each head the draws of a fixed-budget call with its own S; on the GPU with
+    schedule='prop' only (flash: refused with the reason); budget and eps together are an
+    error."""
     q, k, v, lens = _inputs()
     plan = SantaPlan(eps=0.2, delta=0.1, max_budget=512, budget_rule="clt", sampler="stratified")
     out, diag = plan.diagnose(q, k, v, lens, seed=2, offset=3)
@@ -345,8 +346,9 @@ def test_error_targeted_budgets_through_the_plan():
     fixed = SantaPlan(budget=int(diag.budget[b, h]), sampler="stratified").run(q, k, v, lens, seed=2,
                                                                                offset=3)
     assert np.array_equal(out[b, h], fixed[b, h])
-    assert "error-targeted budgets" in SantaPlan(eps=0.1, delta=0.1,
-                                                 max_budget=64).not_supported_reasons("cuda")[0]
+    assert SantaPlan(eps=0.1, delta=0.1, max_budget=64).not_supported_reasons("cuda") == []
+    assert "error-targeted budgets" in SantaPlan(
+        eps=0.1, delta=0.1, max_budget=64, schedule="flash").not_supported_reasons("cuda")[0]
     with pytest.raises(ValueError, match=r"give either `budget` or `eps`"):
         SantaPlan(budget=8, eps=0.1, delta=0.1, max_budget=64)
     with pytest.raises(ValueError, match=r"`eps` needs `delta` and `max_budget`"):

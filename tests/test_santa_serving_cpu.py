@@ -113,9 +113,9 @@ def test_gpu_plans_read_pages_in_place():
     assert stochattn.BernoulliPlan(device="cuda")._paged_cuda_missing() == []
 
 
-def test_error_targeted_budgets_stay_reference_only():
-    with pytest.raises(NotImplementedError, match="eps"):
-        stochattn.SantaPlan(eps=0.1, delta=0.1, max_budget=64, device="cuda")
+def test_error_targeted_budgets_on_the_gpu_need_prop():
+    with pytest.raises(NotImplementedError, match="schedule='flash'"):
+        stochattn.SantaPlan(eps=0.1, delta=0.1, max_budget=64, schedule="flash", device="cuda")
 
 
 # ---- the workspace formula ---------------------------------------------------------------

@@ -49,7 +49,6 @@ from stochattn.reference import santa as ref_santa  # noqa: E402
 from stochattn.reference.budgets import (choose_budgets, philox_uniform,  # noqa: E402
                                          sampler_counts, student_split, tail_factor)
 from stochattn.reference.common import lengths, logits, masked_weights  # noqa: E402
-from stochattn.santa import GPU_BUDGETS_ENV  # noqa: E402
 from stochattn.spec import PURPOSE_BUDGET_PILOT  # noqa: E402
 from stochattn.value_norms import append_value_sqnorms, value_sqnorms  # noqa: E402
 
@@ -271,10 +270,9 @@ def test_paged_equals_contiguous_bitwise(layout, page_size, sampler, norm):
         assert_bitwise(getattr(cont[3], f), getattr(paged[3], f), f)
 
 
-def test_plan_diagnostics_and_fixed_budget_rows(monkeypatch):
+def test_plan_diagnostics_and_fixed_budget_rows():
     """SantaPlan(eps=...) on the GPU (opt-in): Diagnostics carry the device's budgets, and
     every row equals a fixed-budget call with its own S (bit for bit)."""
-    monkeypatch.setenv(GPU_BUDGETS_ENV, "1")
     qd, kd, vd, *_ = _device_inputs("float16")
     sq = value_sqnorms(vd)
     lens = cupy.asarray(LENS)
@@ -299,9 +297,8 @@ def test_plan_diagnostics_and_fixed_budget_rows(monkeypatch):
         assert cupy.array_equal(fixed[b, h], out[b, h]), (b, h)
 
 
-def test_graph_capture_replays_the_eager_calls(monkeypatch):
+def test_graph_capture_replays_the_eager_calls():
     torch = pytest.importorskip("torch")
-    monkeypatch.setenv(GPU_BUDGETS_ENV, "1")
     q, k, v = (torch.as_tensor(a, device="cuda").half() for a in _host_inputs())
     lens = torch.as_tensor(LENS, device="cuda")
     sq = value_sqnorms(v)
@@ -348,7 +345,7 @@ def test_warm_call_with_out_and_workspace_allocates_nothing():
     assert counter.count == 0, counter.count
 
 
-def test_bad_inputs_name_the_argument(monkeypatch):
+def test_bad_inputs_name_the_argument():
     qd, kd, vd, *_ = _device_inputs("float16")
     lens = cupy.asarray(LENS)
     sq = value_sqnorms(vd)
@@ -375,11 +372,7 @@ def test_bad_inputs_name_the_argument(monkeypatch):
                       "float16")
     with pytest.raises(ValueError, match="`v_sqnorms`"):  # contiguous norms for a paged cache
         santa_prop_targeted(qd, cache, None, v_sqnorms=sq, **common)
-    # Through the plan: opt-in, and the refusals that stay.
-    monkeypatch.delenv(GPU_BUDGETS_ENV, raising=False)
-    with pytest.raises(NotImplementedError, match="eps"):
-        stochattn.SantaPlan(eps=0.1, delta=0.1, max_budget=64, device="cuda")
-    monkeypatch.setenv(GPU_BUDGETS_ENV, "1")
+    # Through the plan: the refusals that stay.
     with pytest.raises(NotImplementedError, match="schedule='flash'"):
         stochattn.SantaPlan(eps=0.1, delta=0.1, max_budget=64, schedule="flash", device="cuda")
     stochattn.SantaPlan(eps=0.1, delta=0.1, max_budget=64, budget_norm="student", device="cuda")
