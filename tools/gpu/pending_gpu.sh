@@ -21,6 +21,14 @@
 #                                             #   python3 tools/compare_revisions.py prepare ...)
 #   bash tools/gpu/pending_gpu.sh kmeans-patch:labels  # kmeans_assign_*_2026-12-05.patch (below)
 #   bash tools/gpu/pending_gpu.sh kmeans-patch:both    #   timed against the landed kernel, 32k and 128k
+#   bash tools/gpu/pending_gpu.sh paged-bench     # bench_paged --quick: flash's tile page numbers
+#                                             #   (3c71c0d) paged/contiguous, FlashInfer on the
+#                                             #   combined pool and on K/V views (carry .whl)
+#   bash tools/gpu/pending_gpu.sh paged-capacity  # the Double-P index vs cache capacity test (900f9ba)
+#   bash tools/gpu/pending_gpu.sh budgets-sanitize  # memcheck of the error-targeted budget kernels
+#   bash tools/gpu/pending_gpu.sh prefetch-patch  # tools/gpu/patches/prefetch_first_use.patch: prop's and the
+#                                             #   split-KV merge's kernels compile in parallel on
+#                                             #   first use; tests, then tools/first_use.py cold
 #
 # The kmeans-patch steps read their patches from the git-ignored benchmarks/results/tmp/ (they
 # left the tree; they are in git history as of commit 0d2bdc0). Extract them here, then carry
@@ -31,8 +39,12 @@
 #
 # Device time counts from the asking to the giving back, starts (a minute or more) and the
 # 30 s warm tail included: give each call BUDGET_S from status's budget_left_s less ~120 s.
-# The plan for the next 30 device minutes, three calls back to back (then flash-ncu, pdl and
-# revisions if time is left):
+# First in the next session (2026-12-07 left these; carry .whl and benchmarks/results/tmp):
+#   bash tools/gpu/pending_gpu.sh paged-capacity budgets-sanitize paged-bench
+#   bash tools/gpu/pending_gpu.sh prefetch-patch
+# and tools/gpu/run_mass_study_gpu.sh (issue 31 at 8k; its header says what to carry).
+# The plan before that, three calls back to back (then flash-ncu, pdl and revisions if time
+# is left):
 #   bash tools/gpu/pending_gpu.sh gpu-suite decode-sanitize
 #   bash tools/gpu/pending_gpu.sh flash-tune kmeans-patch:labels kmeans-patch:both
 #   bash tools/gpu/pending_gpu.sh flash-sanitize read-floor
@@ -53,7 +65,9 @@ est() {
   case "$1" in
     gpu-suite) echo 330 ;; flash-tests) echo 120 ;; decode-tests) echo 150 ;;
     decode-sanitize) echo 120 ;; flash-sanitize) echo 420 ;; flash-tune) echo 240 ;;
-    kmeans-patch:*) echo 120 ;; read-floor) echo 60 ;; flash-ncu) echo 150 ;; pdl) echo 180 ;; revisions) echo 200 ;; *) echo 60 ;;
+    kmeans-patch:*) echo 120 ;; read-floor) echo 60 ;; flash-ncu) echo 150 ;; pdl) echo 180 ;; revisions) echo 200 ;;
+    paged-bench) echo 220 ;; paged-capacity) echo 40 ;; budgets-sanitize) echo 150 ;; prefetch-patch) echo 200 ;;
+    *) echo 60 ;;
   esac
 }
 
@@ -155,6 +169,26 @@ case "$1" in
         | tail -2 | sed "s/^/$variant $ctx: /" | tee -a "$out/kmeans_patch_$variant.log"
     done
     for A in $applied; do git apply -R "$A" 2>/dev/null || patch -R -p1 < "$A"; done ;;
+  paged-bench)
+    python3 -c "import flashinfer" 2>/dev/null || python3 -m pip install -q --no-index --no-deps \
+      --target /tmp/site .whl/*.whl
+    PYTHONPATH="/tmp/site:$PYTHONPATH" python3 -u -m benchmarks.run --routine paged --quick \
+      --no-doublep --calls 20 --out "$out/bench_paged_quick" 2>&1 | tail -14 ;;
+  paged-capacity)
+    $py tests/gpu/test_paged_doublep.py -k capacity 2>&1 | tail -5 ;;
+  budgets-sanitize)
+    sanitizer_ok || return 3
+    compute-sanitizer --tool memcheck --error-exitcode 9 $py tests/gpu/test_cuda_santa_budgets.py \
+      2>&1 | tee "$out/budgets_sanitize.log" | tail -15 ;;
+  prefetch-patch)
+    P=tools/gpu/patches/prefetch_first_use.patch
+    [ -f "$P" ] || { echo "missing $P" >&2; return 1; }
+    git apply "$P" || return 1
+    $py tests/gpu/test_cuda_santa.py tests/gpu/test_cuda_exact.py tests/gpu/test_cuda_flash.py -x \
+      2>&1 | tail -3
+    CUPY_CACHE_DIR=$(mktemp -d) python3 -m tools.first_use --no-index-processes \
+      --out "$out/first_use_prefetch.json" 2>&1 | tail -30
+    git apply -R "$P" ;;
   *)
     echo "unknown step $1" >&2
     return 2 ;;
@@ -166,6 +200,7 @@ for step in "$@"; do
     gpu-suite|flash-tests|decode-tests|decode-sanitize|flash-sanitize|flash-tune|read-floor) ;;
     flash-ncu|pdl) ;;
     revisions|kmeans-patch:labels|kmeans-patch:both) ;;
+    paged-bench|paged-capacity|budgets-sanitize|prefetch-patch) ;;
     *) echo "unknown step $step (see the header)" >&2; exit 2 ;;
   esac
 done
