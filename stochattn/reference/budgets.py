@@ -102,6 +102,7 @@ __all__ = [
     "sampler_counts",
     "check_options",
     "choose_budgets",
+    "budgets_from_moments",
     "pilot_size",
     "santa_attention_targeted",
 ]
@@ -321,6 +322,28 @@ def pilot_size(eps: float, delta: float, rule: str, budget: int, pilot_share: fl
     return int(math.ceil(tightness * cp * (eps * eps * budget / cm + 1.0)))
 
 
+def budgets_from_moments(m2, L2, c: float, eps: float, max_budget: int, nonempty):
+    """S, capped and the error bound per head from m2, the bound L^2 of ||o||^2 and the tail
+    factor c (float64 arrays of one shape; ``nonempty``: the rows with tokens):
+    S = min(max_budget, max(1, ceil(c (m2 - L^2) / (eps^2 L^2)))), the rule of
+    :func:`choose_budgets`, which the GPU's santa_prop_budgets computes with the same
+    float64 operations in the same order."""
+    # sigma2 <= m2 - L^2 (equality under the oracle). m2 - ||o||^2 loses about 1e-16 m2 to
+    # cancellation when the row is nearly deterministic; clipped at 0, S = 1 there.
+    var = np.maximum(m2 - L2, 0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        need = np.where(L2 > 0, c * var / (eps * eps * L2), np.inf)  # float: may be inf
+        need = np.where(var > 0, need, 1.0)  # every draw equals o: one is enough
+    # Compare in float before converting: inf and 1e30 must not pass through int64.
+    capped = nonempty & (need > max_budget)
+    S = np.where(capped, max_budget, np.maximum(np.ceil(np.minimum(need, max_budget)), 1.0))
+    S = np.where(nonempty, S, 0).astype(np.int64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        bound = np.where(var > 0, np.sqrt(c * var / (np.maximum(S, 1) * L2)), 0.0)
+    bound = np.where(nonempty, np.where((L2 > 0) | (var == 0), bound, np.inf), 0.0)
+    return S, capped, bound
+
+
 def choose_budgets(x: np.ndarray, v_sqnorms: np.ndarray, v, *, eps: float, delta: float,
                    max_budget: int, rule: str = "chebyshev", norm: str = "pilot",
                    pilot: int = 64, pilot_share: float = 0.25, seed=0, offset=0) -> BudgetChoice:
@@ -403,19 +426,7 @@ def choose_budgets(x: np.ndarray, v_sqnorms: np.ndarray, v, *, eps: float, delta
         L = pilot_norm_lower(y, m2, tail_factor(rule, delta_pilot) / S0)
         L2 = L * L
     c = tail_factor(rule, delta_main)
-    # sigma2 <= m2 - L^2 (equality under the oracle). m2 - ||o||^2 loses about 1e-16 m2 to
-    # cancellation when the row is nearly deterministic; clipped at 0, S = 1 there.
-    var = np.maximum(m2 - L2, 0.0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        need = np.where(L2 > 0, c * var / (eps * eps * L2), np.inf)  # float: may be inf
-        need = np.where(var > 0, need, 1.0)  # every draw equals o: one is enough
-    # Compare in float before converting: inf and 1e30 must not pass through int64.
-    capped = nonempty & (need > max_budget)
-    S = np.where(capped, max_budget, np.maximum(np.ceil(np.minimum(need, max_budget)), 1.0))
-    S = np.where(nonempty, S, 0).astype(np.int64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        bound = np.where(var > 0, np.sqrt(c * var / (np.maximum(S, 1) * L2)), 0.0)
-    bound = np.where(nonempty, np.where((L2 > 0) | (var == 0), bound, np.inf), 0.0)
+    S, capped, bound = budgets_from_moments(m2, L2, c, eps, max_budget, nonempty)
     return BudgetChoice(S, capped, bound, np.where(nonempty, L2, 0.0), m2, S0, rule, norm,
                         delta_main, delta_pilot)
 

@@ -46,8 +46,9 @@ import stochattn  # noqa: E402
 from stochattn.cuda.santa import KERNELS, santa_prop_targeted  # noqa: E402
 from stochattn.paged import from_contiguous  # noqa: E402
 from stochattn.reference import santa as ref_santa  # noqa: E402
-from stochattn.reference.budgets import (choose_budgets, philox_uniform,  # noqa: E402
-                                         sampler_counts, student_split, tail_factor)
+from stochattn.reference.budgets import (budgets_from_moments, choose_budgets,  # noqa: E402
+                                         philox_uniform, sampler_counts, student_split,
+                                         tail_factor)
 from stochattn.reference.common import lengths, logits, masked_weights  # noqa: E402
 from stochattn.spec import PURPOSE_BUDGET_PILOT  # noqa: E402
 from stochattn.value_norms import append_value_sqnorms, value_sqnorms  # noqa: E402
@@ -103,17 +104,7 @@ def _reference(q64, k64, v64, sq64, rule, eps, delta, pilot, max_budget, seed, o
 
 def _formula(m2, L2, c, eps, max_budget, nonempty):
     """choose_budgets' S, capped and bound from m2 and L^2 (float64), as the device does."""
-    var = np.maximum(m2 - L2, 0.0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        need = np.where(L2 > 0, c * var / (eps * eps * L2), np.inf)
-        need = np.where(var > 0, need, 1.0)
-    capped = nonempty & (need > max_budget)
-    S = np.where(capped, max_budget, np.maximum(np.ceil(np.minimum(need, max_budget)), 1.0))
-    S = np.where(nonempty, S, 0).astype(np.int64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        bound = np.where(var > 0, np.sqrt(c * var / (np.maximum(S, 1) * L2)), 0.0)
-    bound = np.where(nonempty, np.where((L2 > 0) | (var == 0), bound, np.inf), 0.0)
-    return S, capped, bound
+    return budgets_from_moments(m2, L2, c, eps, max_budget, nonempty)
 
 
 def _budget_interval(m2, L2, c, eps, max_budget, nonempty):
