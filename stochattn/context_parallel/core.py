@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..reference.common import lengths, logits, masked_weights, nonfinite_rows
+from ..reference.santa import merge_scales
 
 
 # ---------------------------------------------------------------------------------------
@@ -154,10 +155,7 @@ def combine_partials(m, l, acc, axis: int = 0):
     l* = sum scale l and acc* = sum scale acc, summed in index order along ``axis``.
     """
     m, l, acc = (np.moveaxis(np.asarray(a, dtype=np.float64), axis, 0) for a in (m, l, acc))
-    has = l > 0
-    mstar = np.max(np.where(has, m, -np.inf), axis=0)
-    mstar = np.where(np.isfinite(mstar), mstar, 0.0)
-    scale = np.where(has, np.exp(np.where(has, m, mstar) - mstar), 0.0)
+    mstar, scale = merge_scales(m, l > 0, axis=0)
     return mstar, (scale * l).sum(axis=0), (scale[..., None] * acc).sum(axis=0)
 
 
@@ -174,10 +172,7 @@ def reduce_tiles(m: np.ndarray, l: np.ndarray):
     pass 1 (a tile exists iff l_t > 0), so the results are the same bits for the same
     (m_t, l_t).
     """
-    has = l > 0
-    mstar = np.max(np.where(has, m, -np.inf), axis=-1)
-    mstar = np.where(np.isfinite(mstar), mstar, 0.0)
-    scale = np.where(has, np.exp(np.where(has, m, mstar[..., None]) - mstar[..., None]), 0.0)
+    _, scale = merge_scales(m, l > 0)
     W = scale * l
     C = np.cumsum(W, axis=-1)
     return scale, W, C, C[..., -1].copy()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..reference.doublep import _tokens_of, cluster_scores, select_clusters
+from ..reference.doublep import tokens_of, cluster_scores, select_clusters
 from ..reference.kmeans import build_index, cluster_csr, window_starts
 from .core import Collectives, CPResult, Shard, _bad, _finish, _local, _merge_packed, _pack
 
@@ -116,7 +116,7 @@ def cp_doublep_attention(q, shards, indexes, comm: Collectives, scale: float, *,
                 own = (sel // C) == s.rank
                 ex = sel[:n_e][own[:n_e]] % C
                 ap = sel[n_e:][own[n_e:]] % C
-                exact = np.concatenate([base, _tokens_of(ex, offsets[b, kvh],
+                exact = np.concatenate([base, tokens_of(ex, offsets[b, kvh],
                                                          token_ids[b, kvh])]).astype(np.int64)
                 K = np.asarray(s.k[b, kvh, :Lr], dtype=np.float64)
                 V = np.asarray(s.v[b, kvh, :Lr], dtype=np.float64)

@@ -7,7 +7,7 @@ import numpy as np
 
 from ..reference.common import kv_head_of, logits
 from ..reference.samplers import invert_cdf, sample_points
-from ..reference.santa import _last_positive, _searchsorted_rows, global_points, tile_stats
+from ..reference.santa import last_positive, searchsorted_rows, global_points, tile_stats
 from .core import (Collectives, CPResult, Shard, _bad, _finish, _local, _merge_packed, _pack,
                    combine_partials, reduce_tiles)
 
@@ -63,7 +63,7 @@ def cp_prop_attention(q, shards, comm: Collectives, scale: float, *, budget: int
         C_before = np.concatenate([np.zeros((B, Hq, 1)), C[..., :-1]], axis=-1)
         # The global points of every row (stream 0) and their tiles, as prop_indices does.
         target = global_points(sampler, S, B, Hq, seed=seed, offset=offset) * Z[..., None]
-        tile = np.minimum(_searchsorted_rows(C, target), _last_positive(W)[..., None])
+        tile = np.minimum(searchsorted_rows(C, target), last_positive(W)[..., None])
         t0, Tr = s.start // tile_size, tiles[s.rank]
         mine = (tile >= t0) & (tile < t0 + Tr) & (Z > 0)[..., None]
         lt = np.clip(tile - t0, 0, max(Tr - 1, 0))
@@ -74,7 +74,7 @@ def cp_prop_attention(q, shards, comm: Collectives, scale: float, *, budget: int
             local_target = (target - before) / np.where(sc > 0, sc, 1.0)
             cum = np.cumsum(st.local, axis=-1)[bi, hi, lt]  # (B, Hq, S, tile_size)
             r = (cum <= local_target[..., None]).sum(axis=-1)
-            r = np.minimum(r, _last_positive(st.local)[bi, hi, lt])
+            r = np.minimum(r, last_positive(st.local)[bi, hi, lt])
             J = np.where(mine, tile * tile_size + r, -1)
             rows = np.asarray(s.v, dtype=np.float64)[bi, kv[None, :, None],
                                                       np.where(mine, J - s.start, 0)]

@@ -37,7 +37,8 @@ from .kmeans import cluster_csr
 from .rng import PURPOSE_CLUSTER_SAMPLER
 from .samplers import invert_cdf, sample_points
 
-__all__ = ["cluster_scores", "select_clusters", "doublep_attention", "cluster_topk_attention"]
+__all__ = ["cluster_scores", "select_clusters", "tokens_of", "doublep_attention",
+           "cluster_topk_attention"]
 
 
 def cluster_scores(q_h: np.ndarray, centroids: np.ndarray, sizes: np.ndarray, scale: float):
@@ -89,7 +90,7 @@ def select_clusters(xbar: np.ndarray, p1: float, p2: float):
     return order.astype(np.int64), n_p, n_e, cs
 
 
-def _tokens_of(clusters, offsets, token_ids) -> np.ndarray:
+def tokens_of(clusters, offsets, token_ids) -> np.ndarray:
     """Token positions of the given clusters, concatenated in the given order."""
     if len(clusters) == 0:
         return np.zeros(0, dtype=np.int64)
@@ -215,7 +216,7 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
                 if sel.size:
                     diag["approx_log_mass_error"][b, h] = (np.logaddexp.reduce(xbar[sel])
                                                            - np.logaddexp.reduce(lz[sel]))
-            exact = np.concatenate([base, _tokens_of(ids[order[:n_e]], offsets, token_ids)])
+            exact = np.concatenate([base, tokens_of(ids[order[:n_e]], offsets, token_ids)])
             approx_ids = ids[order[n_e:n_p]]
             xe = x[exact]
             if approx == "centroid":
@@ -230,11 +231,11 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
                           if value == "tilt" else _cm.value_sub(q64[b, h], sa, scale))
                 num = we @ V[exact] + wa @ va
                 den = we.sum() + wa.sum()
-                approx_tokens = _tokens_of(approx_ids, offsets, token_ids)
+                approx_tokens = tokens_of(approx_ids, offsets, token_ids)
                 v_extra = np.zeros(0, dtype=np.int64)
                 k_extra = np.zeros(0, dtype=np.int64)
             else:
-                approx_tokens = _tokens_of(approx_ids, offsets, token_ids)
+                approx_tokens = tokens_of(approx_ids, offsets, token_ids)
                 if sample_order == "position":
                     approx_tokens = np.sort(approx_tokens)
                 xa = x[approx_tokens]
@@ -283,7 +284,7 @@ def cluster_topk_attention(q, k, v, lens, index, *, clusters, scale):
             x = (K @ q64[b, h]) * scale
             ids, xbar = cluster_scores(q64[b, h], index.centroids[b, kvh], index.sizes[b, kvh], scale)
             top = np.argsort(-xbar, kind="stable")[:clusters]  # descending, ties to lower index
-            exact = np.concatenate([base, _tokens_of(ids[top], offsets, token_ids)])
+            exact = np.concatenate([base, tokens_of(ids[top], offsets, token_ids)])
             xe = x[exact]
             we = np.exp(xe - xe.max())  # max shift
             out[b, h] = (we @ V[exact]) / we.sum()

@@ -41,6 +41,9 @@ __all__ = [
     "SantaResult",
     "TileStats",
     "tile_stats",
+    "merge_scales",
+    "searchsorted_rows",
+    "last_positive",
     "global_indices",
     "prop_indices",
     "systematic_tile_counts",
@@ -93,6 +96,18 @@ class TileStats:
         return np.concatenate([first, self.C[..., :-1]], axis=-1)
 
 
+def merge_scales(m: np.ndarray, has: np.ndarray, axis: int = -1):
+    """Flash-decoding's merge of parts along ``axis``: ``(m*, scale)``, m* the max of m
+    over the parts that exist (0 when none does) and scale = exp(m - m*) <= 1 on them, 0 on
+    the others. Parts that do not exist use m* in place of m (exp(0) = 1, no overflow when
+    m* << 0) and are then zeroed. The one home of this rule: the tiles of pass 1 here, the
+    ranks of :mod:`stochattn.context_parallel`."""
+    mstar = np.max(np.where(has, m, -np.inf), axis=axis)
+    mstar = np.where(np.isfinite(mstar), mstar, 0.0)
+    ms = np.expand_dims(mstar, axis)
+    return mstar, np.where(has, np.exp(np.where(has, m, ms) - ms), 0.0)
+
+
 def tile_stats(x: np.ndarray, tile_size: int) -> TileStats:
     """Pass 1 of the tiled schedules: per-tile max, local sums, masses and prefix.
 
@@ -113,12 +128,7 @@ def tile_stats(x: np.ndarray, tile_size: int) -> TileStats:
     m = np.where(has, m, 0.0)
     local = np.exp(xt - m[..., None])  # <= 1: shifted by the tile max, so |x| ~ 1e4 is safe
     l = local.sum(axis=-1)
-    # m* = max_t m_t over the tiles that exist (0 for an empty row).
-    mstar = np.max(np.where(has, m, -np.inf), axis=-1)
-    mstar = np.where(np.isfinite(mstar), mstar, 0.0)
-    # exp(m_t - m*) <= 1: the rescaling of flash-decoding's merge. Empty tiles use m* in
-    # place of m_t (exp(0) = 1, no overflow when m* << 0) and are then zeroed.
-    scale = np.where(has, np.exp(np.where(has, m, mstar[..., None]) - mstar[..., None]), 0.0)
+    _, scale = merge_scales(m, has)
     W = scale * l
     C = np.cumsum(W, axis=-1)  # prefix sums over tiles: the reducer's global CDF at tile ends
     return TileStats(tile_size, local, m, l, scale, W, C, C[..., -1].copy())
@@ -145,7 +155,7 @@ def global_indices(x: np.ndarray, sampler: str, S: int, *, seed: int, offset: in
     return invert_cdf(w, global_points(sampler, S, B, Hq, seed=seed, offset=offset))
 
 
-def _searchsorted_rows(c: np.ndarray, targets: np.ndarray) -> np.ndarray:
+def searchsorted_rows(c: np.ndarray, targets: np.ndarray) -> np.ndarray:
     """Per row, the first index i with c[i] > target (c non-decreasing along the last axis)."""
     lead = c.shape[:-1]
     c2 = c.reshape(-1, c.shape[-1])
@@ -156,7 +166,7 @@ def _searchsorted_rows(c: np.ndarray, targets: np.ndarray) -> np.ndarray:
     return out.reshape(lead + targets.shape[-1:])
 
 
-def _last_positive(a: np.ndarray) -> np.ndarray:
+def last_positive(a: np.ndarray) -> np.ndarray:
     """Index of the last positive entry along the last axis (0 when none)."""
     n = a.shape[-1]
     pos = a > 0
@@ -188,10 +198,10 @@ def prop_indices(x: np.ndarray, sampler: str, S: int, tile_size: int, *, seed: i
     points = global_points(sampler, S, B, Hq, seed=seed, offset=offset)
     target = points * st.Z[..., None]  # T_m * Z: the point on the unnormalised global CDF
     # Tile t holds C_{t-1} <= T_m Z < C_t: the first tile whose prefix exceeds the target.
-    tile = _searchsorted_rows(st.C, target)
+    tile = searchsorted_rows(st.C, target)
     # A point that rounding pushes to Z (or past it) belongs to the last tile with mass,
     # as in invert_cdf; this also keeps the index in range for empty rows (-> tile 0).
-    tile = np.minimum(tile, _last_positive(st.W)[..., None])
+    tile = np.minimum(tile, last_positive(st.W)[..., None])
     bi = np.arange(B)[:, None, None]
     hi = np.arange(Hq)[None, :, None]
     before = st.C_before[bi, hi, tile]
@@ -205,7 +215,7 @@ def prop_indices(x: np.ndarray, sampler: str, S: int, tile_size: int, *, seed: i
     r = (cum <= local_target[..., None]).sum(axis=-1)
     # ... clipped to the last positive-weight row of the tile (a target at or past l_t
     # through rounding must not select padding or a zero-weight row).
-    r = np.minimum(r, _last_positive(st.local)[bi, hi, tile])
+    r = np.minimum(r, last_positive(st.local)[bi, hi, tile])
     nonempty = (st.Z > 0)[..., None]
     J = np.where(nonempty, tile * tile_size + r, 0).astype(np.int64)
     counts = np.zeros((B, Hq, T), dtype=np.int64)
@@ -429,8 +439,8 @@ def _prop_rows(st: TileStats, cum: np.ndarray, mask: np.ndarray, points: np.ndar
     """
     Z = st.Z[mask]
     target = points * Z[:, None]  # T_m * Z, as in prop_indices
-    tile = _searchsorted_rows(st.C[mask], target)
-    tile = np.minimum(tile, _last_positive(st.W)[mask][:, None])
+    tile = searchsorted_rows(st.C[mask], target)
+    tile = np.minimum(tile, last_positive(st.W)[mask][:, None])
     ri = np.arange(points.shape[0])[:, None]
     before = st.C_before[mask][ri, tile]
     sc = st.scale[mask][ri, tile]
@@ -442,7 +452,7 @@ def _prop_rows(st: TileStats, cum: np.ndarray, mask: np.ndarray, points: np.ndar
         for t in np.unique(tile[i]):
             sel = tile[i] == t
             r[i, sel] = np.searchsorted(cum_rows[i, t], local_target[i, sel], side="right")
-    r = np.minimum(r, _last_positive(st.local)[mask][ri, tile])
+    r = np.minimum(r, last_positive(st.local)[mask][ri, tile])
     nonempty = (Z > 0)[:, None]
     J = np.where(nonempty, tile * st.tile_size + r, 0).astype(np.int64)
     T = st.W.shape[-1]
