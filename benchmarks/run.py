@@ -26,6 +26,9 @@ ROUTINES = {
     "decode-report": ("report_decode", "the markdown table of a decode run's JSON", "-"),
     "paged": ("bench_paged", "paged against contiguous caches for every estimator, FlashInfer's "
               "paged decode on the same pages", "GPU, torch, cupy"),
+    "budgets": ("bench_budgets", "error-targeted budgets (eps, delta) on the GPU against "
+                "fixed-budget S2ANTA-prop at the same mean budget and at max_budget",
+                "GPU, torch, cupy"),
     "doublep": ("bench_doublep", "Double-P decode (index, attention, sampling) against the "
                 "same baselines", "GPU, torch, cupy"),
     "kmeans": ("bench_kmeans", "the Double-P index's k-means prefill against SDPA's prefill",

@@ -26,6 +26,8 @@
 #                                             #   combined pool and on K/V views (carry .whl)
 #   bash tools/gpu/pending_gpu.sh paged-capacity  # the Double-P index vs cache capacity test (900f9ba)
 #   bash tools/gpu/pending_gpu.sh budgets-sanitize  # memcheck of the error-targeted budget kernels
+#   bash tools/gpu/pending_gpu.sh budgets-bench   # benchmarks/bench_budgets.py: the choice's cost
+#                                             #   against fixed-S prop (target <= 5%)
 #   bash tools/gpu/pending_gpu.sh prefetch-patch  # tools/gpu/patches/prefetch_first_use.patch: prop's and the
 #                                             #   split-KV merge's kernels compile in parallel on
 #                                             #   first use; tests, then tools/first_use.py cold
@@ -41,7 +43,7 @@
 # 30 s warm tail included: give each call BUDGET_S from status's budget_left_s less ~120 s.
 # First in the next session (2026-12-07 left these; carry .whl and benchmarks/results/tmp):
 #   bash tools/gpu/pending_gpu.sh paged-capacity budgets-sanitize paged-bench
-#   bash tools/gpu/pending_gpu.sh prefetch-patch
+#   bash tools/gpu/pending_gpu.sh budgets-bench prefetch-patch
 # and tools/gpu/run_mass_study_gpu.sh (issue 31 at 8k; its header says what to carry).
 # The plan before that, three calls back to back (then flash-ncu, pdl and revisions if time
 # is left):
@@ -67,6 +69,7 @@ est() {
     decode-sanitize) echo 120 ;; flash-sanitize) echo 420 ;; flash-tune) echo 240 ;;
     kmeans-patch:*) echo 120 ;; read-floor) echo 60 ;; flash-ncu) echo 150 ;; pdl) echo 180 ;; revisions) echo 200 ;;
     paged-bench) echo 220 ;; paged-capacity) echo 40 ;; budgets-sanitize) echo 150 ;; prefetch-patch) echo 200 ;;
+    budgets-bench) echo 200 ;;
     *) echo 60 ;;
   esac
 }
@@ -176,6 +179,8 @@ case "$1" in
       --no-doublep --calls 20 --out "$out/bench_paged_quick" 2>&1 | tail -14 ;;
   paged-capacity)
     $py tests/gpu/test_paged_doublep.py -k capacity 2>&1 | tail -5 ;;
+  budgets-bench)
+    python3 -u -m benchmarks.run --routine budgets --out "$out/bench_budgets" 2>&1 | tail -16 ;;
   budgets-sanitize)
     sanitizer_ok || return 3
     compute-sanitizer --tool memcheck --error-exitcode 9 $py tests/gpu/test_cuda_santa_budgets.py \
@@ -200,7 +205,7 @@ for step in "$@"; do
     gpu-suite|flash-tests|decode-tests|decode-sanitize|flash-sanitize|flash-tune|read-floor) ;;
     flash-ncu|pdl) ;;
     revisions|kmeans-patch:labels|kmeans-patch:both) ;;
-    paged-bench|paged-capacity|budgets-sanitize|prefetch-patch) ;;
+    paged-bench|paged-capacity|budgets-sanitize|prefetch-patch|budgets-bench) ;;
     *) echo "unknown step $step (see the header)" >&2; exit 2 ;;
   esac
 done
