@@ -18,7 +18,8 @@ from stochattn.doublep import DoublePIndex
 from stochattn.reference.doublep import cluster_scores, doublep_attention, select_clusters
 from stochattn.reference.exact import exact_attention
 from stochattn.reference.kmeans import build_index
-from stochattn.reference.santa import santa_attention
+from stochattn.reference.common import lengths, logits
+from stochattn.reference.santa import global_points, santa_attention, tile_stats
 
 TILE = 16
 N = 203  # not a tile multiple: the last tile is partial
@@ -157,6 +158,61 @@ def test_prop_same_indices_bit_for_bit(R, bounds, li, sampler):
     Tmax = int(max(-(-np.diff(cp.shard_bounds(N, R, boundaries=bounds, align=TILE)) // TILE)))
     assert comm.log == [("all_gather", B * Hq * Tmax * 2 * 8), ("all_reduce_sum", B * Hq * D * 8),
                         ("all_reduce_max", B * Hq)]
+
+
+@pytest.mark.parametrize("R, bounds", SPLITS)
+@pytest.mark.parametrize("li", range(len(LENS)))
+@pytest.mark.parametrize("sampler", ["systematic", "stratified", "iid"])
+def test_prop_totals_exchange_moves_only_points_on_a_tile_boundary(R, bounds, li, sampler):
+    """exchange="totals" sends 2 B Hq floats per rank; its points and indices are one
+    device's except where a point lies within rounding of a tile boundary of the single
+    device's prefix (the prefix is summed in another order), asserted per point; with one
+    rank it is the single device bit for bit."""
+    q, k, v = _inputs(seed=10 + li)
+    lens = LENS[li]
+    kw = dict(budget=37, sampler=sampler, tile_size=TILE, seed=5 + li, offset=3)
+    comm = cp.SimulatedCollectives(R)
+    res = cp.cp_prop_attention(q, _shards(R, bounds, k, v, lens), comm, SCALE,
+                               exchange="totals", **kw)
+    want = santa_attention(q, k, v, lens, SCALE, schedule="prop", **kw)
+    moved = res.indices != want.indices
+    assert _moved_only_on_boundaries(moved, q, k, lens, sampler, 37, 5 + li, 3)
+    if R == 1:
+        np.testing.assert_array_equal(res.indices, want.indices)
+        np.testing.assert_array_equal(res.out, want.out)
+    elif not moved.any():  # a moved point changes its row's mean by one V row over S
+        _close(res.out, want.out, v)
+    assert all(np.array_equal(o, res.out) for o in res.outs)
+    B, Hq, D = q.shape
+    assert comm.log == [("all_gather", B * Hq * 2 * 8), ("all_reduce_sum", B * Hq * D * 8),
+                        ("all_reduce_max", B * Hq)]
+
+
+def _moved_only_on_boundaries(moved, q, k, lens, sampler, S, seed, offset) -> bool:
+    """Every moved point's target lies within 1e-12 Z of a tile boundary of the single
+    device's prefix C."""
+    if not moved.any():
+        return True
+    st = tile_stats(logits(q, k, lengths(lens, q.shape[0], N), SCALE), TILE)
+    target = global_points(sampler, S, *q.shape[:2], seed=seed, offset=offset) * st.Z[..., None]
+    gap = np.abs(st.C[..., None, :] - target[..., None]).min(axis=-1)
+    return bool(np.all(gap[moved] <= 1e-12 * np.broadcast_to(st.Z[..., None], gap.shape)[moved]))
+
+
+def test_the_boundary_check_catches_a_moved_point_inside_a_tile():
+    """The check above is not vacuous: points moved away from any boundary fail it."""
+    q, k, v = _inputs(seed=10)
+    moved = np.zeros((q.shape[0], q.shape[1], 37), dtype=bool)
+    moved[0, 0, 5] = True
+    assert not _moved_only_on_boundaries(moved, q, k, None, "systematic", 37, 5, 3)
+
+
+def test_prop_exchange_is_checked():
+    q, k, v = _inputs()
+    with pytest.raises(ValueError, match="`exchange`"):
+        cp.cp_prop_attention(q, _shards(2, None, k, v, None), cp.SimulatedCollectives(2), SCALE,
+                             budget=8, sampler="systematic", tile_size=TILE, seed=0, offset=0,
+                             exchange="all")
 
 
 def test_prop_gqa_groups_of_four_and_peaked_rows():

@@ -8,6 +8,7 @@ import numpy as np
 from ..reference.common import kv_head_of, logits
 from ..reference.samplers import invert_cdf, sample_points
 from ..reference.santa import last_positive, searchsorted_rows, global_points, tile_stats
+from ..reference.santa import merge_scales
 from .core import (Collectives, CPResult, Shard, _bad, _finish, _local, _merge_packed, _pack,
                    combine_partials, reduce_tiles)
 
@@ -30,11 +31,27 @@ def _tile_stats(q, s: Shard, scale: float, tile_size: int):
     return tile_stats(logits(q, s.k, s.lens, scale), tile_size)
 
 
+EXCHANGES = ("tiles", "totals")
+
+
 def cp_prop_attention(q, shards, comm: Collectives, scale: float, *, budget: int, sampler: str,
-                      tile_size: int, seed: int, offset: int) -> CPResult:
-    """S²ANTA-prop over tile-aligned shards; the points, their tiles and their indices are
-    the single-device ``santa_attention(schedule="prop")``'s, bit for bit."""
+                      tile_size: int, seed: int, offset: int, exchange: str = "tiles") -> CPResult:
+    """S²ANTA-prop over tile-aligned shards.
+
+    ``exchange="tiles"``: every rank all-gathers every tile's (m_t, l_t) (2 B Hq T floats in
+    all), so the points, their tiles and their indices are the single-device
+    ``santa_attention(schedule="prop")``'s, bit for bit. ``exchange="totals"``: each rank
+    all-gathers only its own total (m_r, Z_r) (2 B Hq floats per rank) and places its tile
+    prefix after the earlier ranks' totals: the same CDF summed in another order, so the
+    estimator is as unbiased and its indices are one device's except for a point within
+    rounding of a tile boundary (docs/context_parallel.md).
+    """
     _check_aligned(shards, tile_size)
+    if exchange not in EXCHANGES:
+        raise ValueError(f"`exchange` must be one of {EXCHANGES}, got {exchange!r}")
+    if exchange == "totals":
+        return _prop_totals(q, shards, comm, scale, budget=budget, sampler=sampler,
+                            tile_size=tile_size, seed=seed, offset=offset)
     local = _local(comm, shards)
     B, Hq, D = q.shape
     S = int(budget)
@@ -66,21 +83,91 @@ def cp_prop_attention(q, shards, comm: Collectives, scale: float, *, budget: int
         tile = np.minimum(searchsorted_rows(C, target), last_positive(W)[..., None])
         t0, Tr = s.start // tile_size, tiles[s.rank]
         mine = (tile >= t0) & (tile < t0 + Tr) & (Z > 0)[..., None]
-        lt = np.clip(tile - t0, 0, max(Tr - 1, 0))
-        part = np.zeros((B, Hq, D))
-        J = np.full((B, Hq, S), -1, dtype=np.int64)
-        if Tr and mine.any():
-            before, sc = C_before[bi, hi, tile], tscale[bi, hi, tile]
-            local_target = (target - before) / np.where(sc > 0, sc, 1.0)
-            cum = np.cumsum(st.local, axis=-1)[bi, hi, lt]  # (B, Hq, S, tile_size)
-            r = (cum <= local_target[..., None]).sum(axis=-1)
-            r = np.minimum(r, last_positive(st.local)[bi, hi, lt])
-            J = np.where(mine, tile * tile_size + r, -1)
-            rows = np.asarray(s.v, dtype=np.float64)[bi, kv[None, :, None],
-                                                      np.where(mine, J - s.start, 0)]
-            part = np.where(mine[..., None], rows, 0.0).sum(axis=2)  # own points, in order
+        part, J = _draw_own(s, st, kv, tile, tile - t0, mine, target,
+                            C_before[bi, hi, tile], tscale[bi, hi, tile], tile_size)
         sums.append(part)
         idx.append(J)
+    return _finish_prop(q, shards, comm, local, sums, idx, S)
+
+
+def _draw_own(s: Shard, st, kv, tile, lt, mine, target, before, sc, tile_size: int):
+    """A rank's points in its own tiles: ``(sum of their V rows, indices)``, -1 for the
+    points of other ranks. Per point: ``tile`` its global tile, ``lt`` that tile on this
+    rank, ``before`` the CDF before the tile and ``sc`` the tile's factor exp(m_t - m*), in
+    the units of ``target`` (the point on the unnormalised CDF)."""
+    B, Hq, S = target.shape
+    part = np.zeros((B, Hq, s.v.shape[-1]))
+    J = np.full((B, Hq, S), -1, dtype=np.int64)
+    if st is None or not mine.any():
+        return part, J
+    bi, hi = np.arange(B)[:, None, None], np.arange(Hq)[None, :, None]
+    lt = np.clip(lt, 0, st.l.shape[-1] - 1)
+    local_target = (target - before) / np.where(sc > 0, sc, 1.0)
+    cum = np.cumsum(st.local, axis=-1)[bi, hi, lt]  # (B, Hq, S, tile_size)
+    r = (cum <= local_target[..., None]).sum(axis=-1)
+    r = np.minimum(r, last_positive(st.local)[bi, hi, lt])
+    J = np.where(mine, tile * tile_size + r, -1)
+    rows = np.asarray(s.v, dtype=np.float64)[bi, kv[None, :, None],
+                                              np.where(mine, J - s.start, 0)]
+    return np.where(mine[..., None], rows, 0.0).sum(axis=2), J  # own points, in order
+
+
+def _prop_totals(q, shards, comm: Collectives, scale: float, *, budget: int, sampler: str,
+                 tile_size: int, seed: int, offset: int) -> CPResult:
+    """cp_prop_attention with ``exchange="totals"``: one (m_r, Z_r) per rank and head."""
+    local = _local(comm, shards)
+    B, Hq, _ = q.shape
+    S = int(budget)
+    kv = kv_head_of(Hq, local[0].k.shape[1])
+    bi, hi = np.arange(B)[:, None, None], np.arange(Hq)[None, :, None]
+    stats, packs, local_cdf = [], [], []
+    for s in local:
+        st = _tile_stats(q, s, scale, tile_size)
+        stats.append(st)
+        if st is None:  # no tiles: an empty total
+            packs.append(np.zeros((B, Hq, 2)))
+            local_cdf.append(None)
+            continue
+        m_r, tsc = merge_scales(st.m, st.l > 0)  # the rank's tiles against its own max
+        C_r = np.cumsum(tsc * st.l, axis=-1)
+        packs.append(np.stack([m_r, C_r[..., -1]], axis=-1))
+        local_cdf.append((tsc, C_r))
+    gathered = comm.all_gather(packs)  # (R, B, Hq, 2) on every rank
+    sums, idx = [], []
+    for s, st, g, cdf in zip(local, stats, gathered, local_cdf):
+        # The ranks' totals merged as tiles are (every rank computes the same numbers).
+        _, rsc = merge_scales(g[..., 0], g[..., 1] > 0, axis=0)  # (R, B, Hq)
+        Wr = rsc * g[..., 1]
+        Cr = np.cumsum(Wr, axis=0)
+        Z = Cr[-1]
+        target = global_points(sampler, S, B, Hq, seed=seed, offset=offset) * Z[..., None]
+        # A point's rank: the first whose prefix exceeds it, the last rank with mass at Z.
+        Cr_rows = np.moveaxis(Cr, 0, -1)  # (B, Hq, R)
+        rank = np.minimum(searchsorted_rows(Cr_rows, target),
+                          last_positive(np.moveaxis(Wr, 0, -1))[..., None])
+        mine = (rank == s.rank) & (Z > 0)[..., None]
+        if cdf is None:  # no tiles, no mass: no point falls here
+            part, J = _draw_own(s, None, kv, None, None, mine, target, None, None, tile_size)
+        else:
+            tsc, C_r = cdf
+            f = rsc[s.rank][..., None]  # the rank's factor to the global max
+            # The CDF before the rank: the earlier ranks' prefix itself, so that the rank's
+            # last tile ends exactly at Cr[rank] (f C_r[-1] is Wr[rank], bit for bit).
+            before_rank = (Cr[s.rank - 1] if s.rank else np.zeros_like(Z))[..., None]
+            Cg = before_rank + f * C_r  # the rank's tile prefix on the global CDF
+            Wg = f * tsc * st.l
+            lt = np.minimum(searchsorted_rows(Cg, target), last_positive(Wg)[..., None])
+            lt = np.minimum(lt, Cg.shape[-1] - 1)
+            Cg_before = np.concatenate([before_rank, Cg[..., :-1]], axis=-1)
+            part, J = _draw_own(s, st, kv, s.start // tile_size + lt, lt, mine, target,
+                                Cg_before[bi, hi, lt], (f * tsc)[bi, hi, lt], tile_size)
+        sums.append(part)
+        idx.append(J)
+    return _finish_prop(q, shards, comm, local, sums, idx, S)
+
+
+def _finish_prop(q, shards, comm: Collectives, local, sums, idx, S: int) -> CPResult:
+    """The all-reduce of the ranks' sums, and the test bookkeeping of the indices."""
     outs = [x / S for x in comm.all_reduce(sums, "sum")]
     # Test bookkeeping only: every point is owned by exactly one rank.
     indices = np.max(np.stack(idx), axis=0) if len(idx) == comm.world_size else None
