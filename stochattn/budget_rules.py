@@ -1,5 +1,6 @@
-"""The rules of error-targeted budgets shared by the reference and the GPU (SPEC section 8,
-docs/budgets.md): the tail factor c(delta) of each rule, the split and factor of the
+"""The rules of error-targeted budgets shared by the reference and the GPU (docs/budgets.md:
+the smallest S per head with P(||o_hat - o|| > eps ||o||) <= delta, from the variance bound
+of the mean of S draws): the tail factor c(delta) of each rule, the split and factor of the
 studentised pilot, and the options' checks. Both backends import them from here (they never
 import each other); :mod:`stochattn.reference.budgets` re-exports them.
 """

@@ -135,25 +135,22 @@ def _prop_totals(q, shards, comm: Collectives, scale: float, *, budget: int, sam
     gathered = comm.all_gather(packs)  # (R, B, Hq, 2) on every rank
     sums, idx = [], []
     for s, st, g, cdf in zip(local, stats, gathered, local_cdf):
-        # The ranks' totals merged as tiles are (every rank computes the same numbers).
-        _, rsc = merge_scales(g[..., 0], g[..., 1] > 0, axis=0)  # (R, B, Hq)
-        Wr = rsc * g[..., 1]
-        Cr = np.cumsum(Wr, axis=0)
-        Z = Cr[-1]
+        # The ranks' totals merged as tiles are (every rank computes the same numbers):
+        # factors, weights and prefix over the ranks, (B, Hq, R).
+        rsc, Wr, Cr, Z = reduce_tiles(np.moveaxis(g[..., 0], 0, -1),
+                                      np.moveaxis(g[..., 1], 0, -1))
         target = global_points(sampler, S, B, Hq, seed=seed, offset=offset) * Z[..., None]
         # A point's rank: the first whose prefix exceeds it, the last rank with mass at Z.
-        Cr_rows = np.moveaxis(Cr, 0, -1)  # (B, Hq, R)
-        rank = np.minimum(searchsorted_rows(Cr_rows, target),
-                          last_positive(np.moveaxis(Wr, 0, -1))[..., None])
+        rank = np.minimum(searchsorted_rows(Cr, target), last_positive(Wr)[..., None])
         mine = (rank == s.rank) & (Z > 0)[..., None]
-        if cdf is None:  # no tiles, no mass: no point falls here
+        if cdf is None:  # no tiles, no mass: no point falls here (mine is all False)
             part, J = _draw_own(s, None, kv, None, None, mine, target, None, None, tile_size)
         else:
             tsc, C_r = cdf
-            f = rsc[s.rank][..., None]  # the rank's factor to the global max
+            f = rsc[..., s.rank, None]  # the rank's factor to the global max
             # The CDF before the rank: the earlier ranks' prefix itself, so that the rank's
             # last tile ends exactly at Cr[rank] (f C_r[-1] is Wr[rank], bit for bit).
-            before_rank = (Cr[s.rank - 1] if s.rank else np.zeros_like(Z))[..., None]
+            before_rank = (Cr[..., s.rank - 1] if s.rank else np.zeros_like(Z))[..., None]
             Cg = before_rank + f * C_r  # the rank's tile prefix on the global CDF
             Wg = f * tsc * st.l
             lt = np.minimum(searchsorted_rows(Cg, target), last_positive(Wg)[..., None])
