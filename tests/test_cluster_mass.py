@@ -212,3 +212,35 @@ def test_index_stats_matches_member_stats():
     for f in cm.ClusterStats.__dataclass_fields__:
         assert np.array_equal(getattr(st, f)[1, 0], getattr(one, f)), f
     assert np.array_equal(st.sub_sizes.sum(-1), index.sizes)  # parts partition the cluster
+
+
+def test_index_reads_follow_the_read_cost_rule():
+    # Exact counts: every non-empty cluster's scoring summary, each cluster some head of the
+    # group approximates its value summary; the oracle reads every key.
+    q, k, v, lens, index = _instance(seed=6)
+    B, Hkv, C = index.sizes.shape
+    G = q.shape[1] // Hkv
+    nonempty = (index.sizes > 0).sum(-1)
+    for mass, value in (("paper", "mean"), ("sub", "tilt"), ("pca-clip", "tilt"),
+                        ("paper", "sub"), ("sub", "sub"), ("diag-var", "mean")):
+        out, d = _run(q, k, v, lens, index, mass=mass, value=value, mass_rank=3, mass_sub=2)
+        ke, ka, va = cm.summary_vectors(mass, value, rank=3, n_sub=2)
+        n_approx = (d["clusters_selected"] - d["clusters_exact"]).reshape(B, Hkv, G)
+        # the union over the group is at least each head's count and at most their sum
+        k_approx = d["k_index_rows"] - nonempty * ke
+        assert (k_approx == (d["v_index_rows"] // max(va, 1)) * ka).all()
+        if va:
+            assert (d["v_index_rows"] % va == 0).all()
+            assert (d["v_index_rows"] // va >= n_approx.max(-1)).all()
+            assert (d["v_index_rows"] // va <= n_approx.sum(-1)).all()
+    _, d = _run(q, k, v, lens, index, mass="exact")
+    assert (d["k_index_rows"] + d["k_rows_read"] == lens[:, None]).all()
+    _, d = _run(q, k, v, lens, index, approx="sample", budget=8, mass="sub")
+    assert (d["k_index_rows"] == nonempty * 4).all() and (d["v_index_rows"] == 0).all()
+    with pytest.raises(ValueError, match="mass"):
+        cm.summary_vectors("nope", "mean")
+    with pytest.raises(ValueError, match="value"):
+        cm.summary_vectors("paper", "nope")
+    assert cm.summary_vectors("sub", "tilt", rank=4, n_sub=4) == (4, 4, 5)
+    assert cm.summary_vectors("exact", "tilt", rank=4, n_sub=4) == (0, 4, 5)
+    assert cm.summary_vectors("pca-clip", "sub", rank=4, n_sub=4) == (5, 4, 4)

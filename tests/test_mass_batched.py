@@ -93,7 +93,7 @@ def _compare(inst, mass, value, p1, p2, alpha=1.0, stats="reference", rtol=1e-9)
     assert _batched_selection(d["code"]) == sel_ref
     np.testing.assert_allclose(out, ref_out, rtol=rtol, atol=rtol)
     for key in ("clusters_selected", "clusters_exact", "tokens_exact", "k_rows_read",
-                "v_rows_read"):
+                "v_rows_read", "k_index_rows", "v_index_rows"):
         np.testing.assert_array_equal(d[key], ref_d[key], err_msg=key)
     for key in ("estimated_mass", "true_mass", "cluster_true_mass", "approx_log_mass_error"):
         np.testing.assert_allclose(d[key], ref_d[key], rtol=rtol, atol=rtol, err_msg=key)
@@ -242,7 +242,7 @@ def test_decode_rows_matches_reference_on_the_harness_layout():
                                  n_clusters=12).add_stats()
     for mass, value, alpha in (("paper", "mean", 1.0), ("sub", "mean", 1.0),
                                ("exact", "mean", 1.0), ("pca-clip", "mean", 0.5),
-                               ("sub", "sub", 1.0)):
+                               ("sub", "sub", 1.0), ("sub", "tilt", 1.0)):
         for p1, p2 in SETTINGS[:3]:
             ref_out, ref_d = doublep_attention(q, kc, vc, lens, index, p1=p1, p2=p2,
                                                approx="centroid", budget=None,
@@ -253,7 +253,8 @@ def test_decode_rows_matches_reference_on_the_harness_layout():
             out, d = mb.decode_rows(np, li, q, k_own, v_own, pos, 0, P, mass=mass, value=value,
                                     alpha=alpha, p1=p1, p2=p2, scale=0.25)
             np.testing.assert_allclose(out, ref_out, rtol=1e-7, atol=1e-7)
-            for key in ("clusters_selected", "clusters_exact", "k_rows_read"):
+            for key in ("clusters_selected", "clusters_exact", "k_rows_read", "k_index_rows",
+                        "v_index_rows"):
                 np.testing.assert_array_equal(d[key], ref_d[key], err_msg=key)
             for key in ("true_mass", "cluster_true_mass", "approx_log_mass_error"):
                 np.testing.assert_allclose(d[key], ref_d[key], rtol=1e-7, atol=1e-7, err_msg=key)

@@ -581,8 +581,26 @@ def doublep_batched(q, k, v, lens, index, *, p1, p2, scale, mass="paper", value=
     def mix(w):
         return xp.matmul(w.reshape(B, Hkv, G, N), v64).reshape(B, Hq, D)
 
-    return decode_core(xp, x, lab, lens_x, ws, index.n_sink, lzhat, sizes > 0, vp, mix, p1, p2,
-                       lz=lz, mass_diagnostics=mass_diagnostics)
+    out, d = decode_core(xp, x, lab, lens_x, ws, index.n_sink, lzhat, sizes > 0, vp, mix, p1,
+                         p2, lz=lz, mass_diagnostics=mass_diagnostics)
+    rank = mass_stats.rank if isinstance(mass_stats, cm.ClusterStats) else mass_rank
+    n_sub = mass_stats.n_sub if isinstance(mass_stats, cm.ClusterStats) else mass_sub
+    return out, index_reads(xp, d, sizes, lens_x, mass, value, rank=rank, n_sub=n_sub)
+
+
+def index_reads(xp, d, sizes, lens, mass, value, *, rank, n_sub):
+    """Add the reference's ``k_index_rows`` / ``v_index_rows`` (B, Hkv) to the diagnostics
+    ``d`` of :func:`decode_core` (``sizes`` (B, Hkv, C) the cluster sizes, ``lens`` (B,)):
+    :func:`~stochattn.reference.cluster_mass.summary_vectors` per non-empty cluster and per
+    cluster some query head of the group approximates; every key for ``mass="exact"``."""
+    k_every, k_approx, v_approx = cm.summary_vectors(mass, value, rank=rank, n_sub=n_sub)
+    B, Hkv, C = sizes.shape
+    n_approx = (d["code"] == 2).reshape(B, Hkv, -1, C).any(2).sum(-1)
+    d["k_index_rows"] = (sizes > 0).sum(-1) * k_every + n_approx * k_approx
+    d["v_index_rows"] = n_approx * v_approx
+    if mass == "exact":
+        d["k_index_rows"] = lens.reshape(B, 1) - d["k_rows_read"]
+    return d
 
 
 # ----------------------------------------------------------------------------- the study
@@ -638,6 +656,7 @@ class LayerIndex:
         self.centroids, self.labels, self.ws, self.sizes = centroids, labels, ws, sizes
         self.n_sink, self.prompt_ws = n_sink, prompt_ws
         self.stats = None
+        self.rank, self.n_sub = 4, 4  # what add_stats computes (the read-cost rule needs them)
         Hkv, C = centroids.shape[:2]
         N = labels.shape[-1]
         # Each cluster's members in ascending position (the CSR of the last row), flat
@@ -659,6 +678,7 @@ class LayerIndex:
         self.n_states = S
 
     def add_stats(self, rank=4, n_sub=4, squarings=20, budget=None):
+        self.rank, self.n_sub = rank, n_sub
         xp = self.xp
         budget = budget or (1 << 22 if xp is np else 1 << 25)  # GPU: fewer, larger chunks
         N = self.labels.shape[-1]
@@ -788,6 +808,7 @@ def decode_rows(xp, li, q, k_own, v_own, pos, a, b, *, mass, value, alpha, p1, p
 
     out, d = decode_core(xp, x, lab, lens, ws, li.n_sink, lzhat, sizes > 0, vp, mix, p1, p2,
                          lz=lz, mass_diagnostics=mass_diagnostics)
+    d = index_reads(xp, d, sizes, lens, mass, value, rank=li.rank, n_sub=li.n_sub)
     if error_acc is not None:
         ne = xp.broadcast_to((sizes > 0)[:, :, None], (Bn, Hkv, G, C)).reshape(Bn, Hq, C)
         has = ne.any(-1)
@@ -843,16 +864,22 @@ def run_play_batched(play, *, n_tokens=8192, stride=4, first=None, configs, seed
     P, Hq, D = pos.size, cfg.q_heads, cfg.head_dim
     scale = 1.0 / math.sqrt(D)
     cos, sin = rope_tables(pos, D, cfg.rope_theta, xp)
+    # a configuration's "cluster_ratio" (default ``cluster_ratio``): prompt / ratio clusters;
+    # one index per ratio and layer, shared by that ratio's configurations
+    ratio_of = {c["label"]: c.get("cluster_ratio", cluster_ratio) for c in configs}
+    ratios = sorted(set(ratio_of.values()))
     n_clusters = max(1, first // cluster_ratio)
     step = max(1, int(row_bytes // (Hq * (int(pos[-1]) + 1) * 8)))
-    paper_label = next((c["label"] for c in configs if c["mass"] == "paper"), configs[0]["label"])
+    paper_label = next((c["label"] for c in configs if c["mass"] == "paper"
+                        and ratio_of[c["label"]] == cluster_ratio), configs[0]["label"])
     results = []
     for seed in seeds:
         ts = time.perf_counter()
         y0 = xp.take(weights.token_embd, tok_x[pos_x], axis=0)
         ys = {c["label"]: y0.copy() for c in configs}
-        keys = ("k_read", "v_read", "estimated_mass", "cluster_true_mass", "true_mass",
-                "approx_log_mass_error", "clusters_selected", "clusters_exact")
+        keys = ("k_read", "v_read", "k_read_all", "v_read_all", "estimated_mass",
+                "cluster_true_mass", "true_mass", "approx_log_mass_error", "clusters_selected",
+                "clusters_exact")
         diag = {c["label"]: {k: [] for k in keys} for c in configs}
         err_acc = {}
         t_index = t_est = 0.0
@@ -860,14 +887,17 @@ def run_play_batched(play, *, n_tokens=8192, stride=4, first=None, configs, seed
             t1 = time.perf_counter()
             K = xp.ascontiguousarray(xp.transpose(prefix.k[li], (1, 0, 2)).astype(xp.float64))
             V = xp.ascontiguousarray(xp.transpose(prefix.v[li], (1, 0, 2)).astype(xp.float64))
-            lidx = decode_index_batched(xp, K, V, pos + 1, prefill=first, n_clusters=n_clusters,
-                                        iterations=10, seed=seed).add_stats(rank, n_sub, squarings)
+            lidxs = {r: decode_index_batched(xp, K, V, pos + 1, prefill=first,
+                                             n_clusters=max(1, first // r), iterations=10,
+                                             seed=seed).add_stats(rank, n_sub, squarings)
+                     for r in ratios}
             if xp is not np:
                 xp.cuda.Device().synchronize()
             t_index += time.perf_counter() - t1
             t1 = time.perf_counter()
             for c in configs:
                 lab_ = c["label"]
+                lidx = lidxs[ratio_of[lab_]]
                 q, k_own, v_own = qkv(layer, ys[lab_], cos, sin, cfg, "interleaved", xp)
                 q = q.astype(xp.float64)
                 k_own = k_own.astype(xp.float64)
@@ -885,7 +915,11 @@ def run_play_batched(play, *, n_tokens=8192, stride=4, first=None, configs, seed
                     lens = (pos_x[a:b] + 1).astype(xp.float64)[:, None]
                     sums["k_read"] += (d["k_rows_read"] / lens).mean() * (b - a)
                     sums["v_read"] += (d["v_rows_read"] / lens).mean() * (b - a)
-                    for k in keys[2:]:
+                    sums["k_read_all"] += ((d["k_rows_read"] + d["k_index_rows"])
+                                           / lens).mean() * (b - a)
+                    sums["v_read_all"] += ((d["v_rows_read"] + d["v_index_rows"])
+                                           / lens).mean() * (b - a)
+                    for k in keys[4:]:
                         sums[k] += d[k].astype(xp.float64).mean() * (b - a)
                 for k in keys:
                     diag[lab_][k].append(float(sums[k]) / P)
@@ -896,7 +930,7 @@ def run_play_batched(play, *, n_tokens=8192, stride=4, first=None, configs, seed
                 xp.cuda.Device().synchronize()
             t_est += time.perf_counter() - t1
             log(f"{play} seed {seed}: layer {li} done (index+stats {t_index:.1f} s, "
-                f"{lidx.n_states} states; estimators {t_est:.1f} s)")
+                f"{sum(x.n_states for x in lidxs.values())} states; estimators {t_est:.1f} s)")
         res = dict(play=play, seed=seed, n_tokens=n_tokens, stride=stride, first=first,
                    positions=pos.tolist(), n_clusters=n_clusters, rank=rank, n_sub=n_sub,
                    loss_exact=[float(x) for x in exact_losses], seconds_prefix=t_prefix,
@@ -907,7 +941,8 @@ def run_play_batched(play, *, n_tokens=8192, stride=4, first=None, configs, seed
             lab_ = c["label"]
             losses = _host(token_losses(weights, ys[lab_], tok_x[pos_x + 1], xp=xp))
             dd = {k: float(np.mean(v)) for k, v in diag[lab_].items()}
-            res["configs"][lab_] = dict(c, losses=[float(x) for x in losses], diagnostics=dd)
+            res["configs"][lab_] = dict(c, losses=[float(x) for x in losses], diagnostics=dd,
+                                        n_clusters=max(1, first // ratio_of[lab_]))
         res["mass_error"] = {name: dict(weighted=a_["weighted"] / a_["n"],
                                         weighted_abs=a_["weighted_abs"] / a_["n"],
                                         mean=a_["mean"] / a_["n"], heads=a_["n"])

@@ -80,10 +80,11 @@ MASSES = (("paper", "mean", 1.0), ("mean", "mean", 1.0), ("diag-var", "mean", 1.
 VALUES = (("sub", "sub", 1.0), ("exact", "tilt", 1.0))
 
 
-def _label(mass, value, alpha, p1, p2):
+def _label(mass, value, alpha, p1, p2, cluster_ratio=16):
     a = "" if alpha == 1.0 else f"-a{alpha:g}"
     v = "" if value == "mean" else f"+v-{value}"
-    return f"{mass}{a}{v}-{p1:g}-{p2:g}"
+    r = "" if cluster_ratio == 16 else f"-r{cluster_ratio}"
+    return f"{mass}{a}{v}-{p1:g}-{p2:g}{r}"
 
 
 # The full grid at (0.95, 0.7); at the other settings the estimators that matter
@@ -104,6 +105,16 @@ GRID_8K = ([dict(label=_label(m, "mean", a, p1, p2), mass=m, value="mean", alpha
            + [dict(label=_label(m, v, 1.0, 0.95, 0.7), mass=m, value=v, alpha=1.0,
                    p1=0.95, p2=0.7)
               for m, v in (("sub", "sub"), ("sub", "tilt"), ("exact", "tilt"))])
+# The read cost (issue 31's frontier): an estimator that reads more per cluster than a
+# centroid pays for it in index reads (reference.cluster_mass.summary_vectors; "sub" with 4
+# sub-centroids reads 4 vectors per cluster), so it is compared with paper at more clusters
+# (prompt / 8, / 4: the same index reads) and run at fewer (prompt / 64: paper's reads).
+GRID_8K += [dict(label=_label(m, v, 1.0, p1, p2, r), mass=m, value=v, alpha=1.0, p1=p1, p2=p2,
+                 cluster_ratio=r)
+            for m, v, r, p1, p2 in (("paper", "mean", 8, 0.95, 0.7), ("paper", "mean", 4, 0.95, 0.7),
+                                    ("paper", "mean", 8, 0.99, 0.8), ("paper", "tilt", 16, 0.95, 0.7),
+                                    ("paper", "tilt", 8, 0.95, 0.7), ("sub", "tilt", 16, 0.99, 0.8),
+                                    ("sub", "tilt", 64, 0.95, 0.7), ("sub", "tilt", 64, 0.99, 0.8))]
 GRIDS = {"default": CONFIGS, "8k": GRID_8K}
 # Estimators of the per-cluster mass-error table (mass name, alpha).
 ERROR_ESTIMATORS = (("paper", 1.0), ("mean", 1.0), ("diag-var", 1.0), ("pca", 1.0),
@@ -173,6 +184,10 @@ def _mass_errors(q, kc, lens, index, stats, offsets, token_ids, scale, acc):
 def run_play(play, *, n_tokens=4096, stride=16, first=None, configs=CONFIGS, rank=4, n_sub=4,
              cluster_ratio=16, cache_bytes=1 << 30, weights=None, log=print):
     """Every configuration on one play; returns a dict (see the module docstring)."""
+    bad = [c["label"] for c in configs if c.get("cluster_ratio", cluster_ratio) != cluster_ratio]
+    if bad:
+        raise ValueError(f"`configs`: {bad} ask for another cluster count; the reference path "
+                         f"builds one index per layer (use the batched path, --batched)")
     from stochattn.eval.llm.evaluate import decode_index, evaluated_positions, load_tokens, _chunks
     from stochattn.eval.llm.forward import forward, mlp, qkv, rope_tables, token_losses
     from stochattn.eval.llm.model import load_model
@@ -192,7 +207,8 @@ def run_play(play, *, n_tokens=4096, stride=16, first=None, configs=CONFIGS, ran
     chunks = _chunks(pos, Hkv, D, cache_bytes, itemsize=4)
     y0 = np.take(weights.token_embd, tokens[pos], axis=0)
     ys = {c["label"]: y0.copy() for c in configs}
-    diag = {c["label"]: dict(k_read=[], v_read=[], estimated_mass=[], cluster_true_mass=[],
+    diag = {c["label"]: dict(k_read=[], v_read=[], k_read_all=[], v_read_all=[],
+                             estimated_mass=[], cluster_true_mass=[],
                              true_mass=[], approx_log_mass_error=[], clusters_selected=[],
                              clusters_exact=[]) for c in configs}
     err_acc = {}
@@ -231,6 +247,10 @@ def run_play(play, *, n_tokens=4096, stride=16, first=None, configs=CONFIGS, ran
                 dd = diag[lab]
                 dd["k_read"].append(float((d["k_rows_read"] / lens[:, None]).mean()))
                 dd["v_read"].append(float((d["v_rows_read"] / lens[:, None]).mean()))
+                dd["k_read_all"].append(float(((d["k_rows_read"] + d["k_index_rows"])
+                                               / lens[:, None]).mean()))
+                dd["v_read_all"].append(float(((d["v_rows_read"] + d["v_index_rows"])
+                                               / lens[:, None]).mean()))
                 for key in ("estimated_mass", "cluster_true_mass", "true_mass",
                             "approx_log_mass_error", "clusters_selected", "clusters_exact"):
                     dd[key].append(float(np.mean(d[key])))
@@ -269,14 +289,18 @@ def combine(plays_res, plays):
         c = runs[0]["configs"][lab]
         d = np.concatenate([np.asarray(r["configs"][lab]["losses"]) - r["loss_exact"]
                             for r in runs])
-        paper = _label("paper", "mean", 1.0, c["p1"], c["p2"])
+        # against paper at the same setting and cluster count (else the default count)
+        paper = _label("paper", "mean", 1.0, c["p1"], c["p2"], c.get("cluster_ratio", 16))
+        if paper not in runs[0]["configs"]:
+            paper = _label("paper", "mean", 1.0, c["p1"], c["p2"])
         dp = np.concatenate([np.asarray(r["configs"][lab]["losses"])
                              - np.asarray(r["configs"][paper]["losses"]) for r in runs])
         mean, se = float(d.mean()), float(d.std(ddof=1) / math.sqrt(d.size))
         diag = {k: float(np.mean([r["configs"][lab]["diagnostics"][k] for r in runs]))
                 for k in runs[0]["configs"][lab]["diagnostics"]}
         rows.append(dict(label=lab, mass=c["mass"], value=c["value"], alpha=c["alpha"],
-                         p1=c["p1"], p2=c["p2"], plays=sorted(plays), positions=int(d.size),
+                         p1=c["p1"], p2=c["p2"], cluster_ratio=c.get("cluster_ratio", 16),
+                         plays=sorted(plays), positions=int(d.size),
                          delta_loss=mean, delta_loss_se=se,
                          delta_loss_ci95=[mean - 1.96 * se, mean + 1.96 * se],
                          ppl_change=math.expm1(mean),
@@ -322,17 +346,26 @@ def _seed_means(runs):
     return out
 
 
+def _all_reads(r):
+    """K / V read with the index's summaries (absent from results before 2026-12-07)."""
+    if "k_read_all" not in r:
+        return "n/a"
+    return f"{100 * r['k_read_all']:.1f}% / {100 * r['v_read_all']:.1f}%"
+
+
 def markdown_table(rows, err=None):
-    lines = ["| mass | value | (p1, p2) | ppl change [95% CI] | vs paper (nats, s.e.) | "
-             "K/V rows read | est. / true mass of C_p | log-error of C_approx mass |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| mass | value | clusters | (p1, p2) | ppl change [95% CI] | vs paper (nats, s.e.) | "
+             "K/V rows read | K/V read with the index | est. / true mass of C_p | "
+             "log-error of C_approx mass |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         m = r["mass"] + ("" if r["alpha"] == 1.0 else f" (alpha {r['alpha']:g})")
         lo, hi = r["ppl_change_ci95"]
         lines.append(
-            f"| {m} | {r['value']} | ({r['p1']:g}, {r['p2']:g}) | {100 * r['ppl_change']:+.2f}% "
+            f"| {m} | {r['value']} | prompt / {r.get('cluster_ratio', 16)} | "
+            f"({r['p1']:g}, {r['p2']:g}) | {100 * r['ppl_change']:+.2f}% "
             f"[{100 * lo:+.1f}, {100 * hi:+.1f}] | {r['vs_paper']:+.4f} ({r['vs_paper_se']:.4f}) | "
-            f"{100 * r['k_read']:.1f}% / {100 * r['v_read']:.1f}% | "
+            f"{100 * r['k_read']:.1f}% / {100 * r['v_read']:.1f}% | {_all_reads(r)} | "
             f"{r['estimated_mass']:.3f} / {r['cluster_true_mass']:.3f} | "
             f"{r['approx_log_mass_error']:+.3f} |")
     if err:

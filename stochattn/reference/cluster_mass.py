@@ -41,7 +41,7 @@ import numpy as np
 __all__ = ["MASS_ESTIMATORS", "VALUE_ESTIMATES", "ClusterStats", "member_stats", "index_stats",
            "cluster_member_stats", "stats_at", "log_mass", "log_mass_paper", "log_mass_mean", "log_mass_diag_var",
            "log_mass_pca", "log_mass_clipped", "log_mass_bennett", "log_mass_subcentroid",
-           "log_mass_exact", "value_tilt", "value_sub"]
+           "log_mass_exact", "value_tilt", "value_sub", "summary_vectors"]
 
 #: Names accepted by :func:`log_mass` (and by the reference Double-P's ``mass=``).
 MASS_ESTIMATORS = ("paper", "mean", "diag-var", "pca", "pca-clip", "bennett", "sub", "exact")
@@ -356,6 +356,32 @@ def log_mass(name, q, *, scale, centroids, sizes, stats=None, alpha=1.0, x=None,
     if name == "sub":
         return log_mass_subcentroid(q, stats, scale)
     raise ValueError(f"`mass`: expected one of {MASS_ESTIMATORS}, got {name!r}")
+
+
+def summary_vectors(mass, value, *, rank=4, n_sub=4):
+    """D-vectors of the index a decode step reads for one cluster, per KV head, as
+    ``(k_every, k_approx, v_approx)``: ``k_every`` for every non-empty cluster (to score
+    it: the centroid for "paper", the mean and variance for "diag-var", the mean and ``rank``
+    principal directions for the rank-r estimators, ``n_sub`` sub-centroids for "sub",
+    none for "exact", which reads the keys of C_approx's tokens instead); ``k_approx`` and
+    ``v_approx`` for each cluster summarised as a pseudo-token (its value summary: the
+    value mean; with "tilt" also ``rank`` cross-covariance rows and, unless the mass
+    already read them, ``rank`` principal directions; with "sub" ``n_sub`` value means and,
+    unless the mass read them, the ``n_sub`` sub-centroids that weight them). Scalars
+    (sizes, eigenvalues, radii) are not counted. This is the read-cost rule of the cluster
+    mass study: a cluster of s tokens read exactly costs s K rows and s V rows."""
+    if mass not in MASS_ESTIMATORS:
+        raise ValueError(f"`mass`: expected one of {MASS_ESTIMATORS}, got {mass!r}")
+    if value not in VALUE_ESTIMATES:
+        raise ValueError(f"`value`: expected one of {VALUE_ESTIMATES}, got {value!r}")
+    k_every = {"paper": 1, "mean": 1, "diag-var": 2, "pca": 1 + rank, "pca-clip": 1 + rank,
+               "bennett": 1, "sub": n_sub, "exact": 0}[mass]
+    has_basis = mass in ("pca", "pca-clip")
+    if value == "mean":
+        return k_every, 0, 1
+    if value == "tilt":
+        return k_every, 0 if has_basis else rank, 1 + rank
+    return k_every, 0 if mass == "sub" else n_sub, n_sub
 
 
 def value_tilt(q, value_means, st, scale, alpha=1.0):

@@ -163,6 +163,11 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
     - ``value`` (centroid variant): the pseudo-token's value, ``"mean"`` (the index's
       value means, default), ``"tilt"`` (:func:`~.cluster_mass.value_tilt`) or ``"sub"``
       (:func:`~.cluster_mass.value_sub`).
+    - Read cost: the diagnostics' ``k_index_rows`` / ``v_index_rows`` (B, Hkv) count the
+      index's D-vectors read per KV head (:func:`~.cluster_mass.summary_vectors`: the
+      scoring summary of every non-empty cluster, the pseudo-token summary of each cluster
+      some query head of the group approximates); with ``mass="exact"`` (an oracle that
+      reads every key) ``k_index_rows`` is the keys not already in ``k_rows_read``.
     - ``mass_diagnostics``: add per query head ``cluster_true_mass`` (the true mass of
       C_p's tokens among all clustered tokens, comparable with ``estimated_mass``) and
       ``approx_log_mass_error`` (``log sum_{C_approx} Zhat_i - log sum_{C_approx} Z_i``;
@@ -194,9 +199,18 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
     if mass_diagnostics:
         diag["cluster_true_mass"] = np.zeros((B, Hq))
         diag["approx_log_mass_error"] = np.zeros((B, Hq))
+    rank = mass_stats.rank if mass_stats is not None else mass_rank
+    n_sub = mass_stats.n_sub if mass_stats is not None else mass_sub
+    k_every, k_approx, v_approx = _cm.summary_vectors(mass, value if approx == "centroid" else "mean",
+                                                      rank=rank, n_sub=n_sub)
+    if approx != "centroid":
+        k_approx = v_approx = 0  # C_approx is sampled: its rows are in k_read / v_read
+    diag["k_index_rows"] = np.zeros((B, Hkv), dtype=np.int64)
+    diag["v_index_rows"] = np.zeros((B, Hkv), dtype=np.int64)
     for b, kvh, L, base, K, V, offsets, token_ids in _heads(q, k, v, lens, index):
         sizes = index.sizes[b, kvh]
         means = value_means[b, kvh]
+        approx_any = np.zeros(sizes.shape[0], dtype=bool)  # approximated by a head of the group
         for g in range(G):
             h = kvh * G + g
             x = (K @ q64[b, h]) * scale  # exact logits of the whole sequence, (L,)
@@ -218,6 +232,7 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
                                                            - np.logaddexp.reduce(lz[sel]))
             exact = np.concatenate([base, tokens_of(ids[order[:n_e]], offsets, token_ids)])
             approx_ids = ids[order[n_e:n_p]]
+            approx_any[approx_ids] = True
             xe = x[exact]
             if approx == "centroid":
                 xa = xbar[order[n_e:n_p]]  # pseudo-token logits log Zhat_i
@@ -263,7 +278,13 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
             diag["k_read"][b, h, k_extra] = True
             diag["v_read"][b, h, exact] = True
             diag["v_read"][b, h, v_extra] = True
-    return out, _finish_diagnostics(diag, Hkv)
+        n_approx = int(approx_any.sum())
+        diag["k_index_rows"][b, kvh] = int((sizes > 0).sum()) * k_every + n_approx * k_approx
+        diag["v_index_rows"][b, kvh] = n_approx * v_approx
+    diag = _finish_diagnostics(diag, Hkv)
+    if mass == "exact":  # the oracle's masses read every key of the sequence
+        diag["k_index_rows"] = np.asarray(lens, dtype=np.int64)[:, None] - diag["k_rows_read"]
+    return out, diag
 
 
 def cluster_topk_attention(q, k, v, lens, index, *, clusters, scale):
