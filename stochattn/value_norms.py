@@ -170,9 +170,9 @@ def _gpu_launch(a, out, shape, *, mode, start=None, count=1, cache=None, B=0, H=
     from ._backend import require_cupy
 
     require_cupy("value_sqnorms")
-    from .cuda.runtime import arrays, inputs
+    from .cuda.kernels import abi
+    from .cuda.runtime import arrays, inputs, launch
     from .cuda.runtime import workspace as _workspace
-    from .cuda.santa import extra_kernel
 
     ops = arrays.ops_for("v", a)
     if ops is not arrays.TORCH and ops is not arrays.CUPY:
@@ -211,17 +211,13 @@ def _gpu_launch(a, out, shape, *, mode, start=None, count=1, cache=None, B=0, H=
                 page_size, hnd = cache.page_size, int(cache.layout == "HND")
         if rows == 0:
             return out
-        kern = extra_kernel("value_sqnorms_rows")
-        from .cuda.kernels import abi
-
+        kern = launch.get_kernel("santa_prop", "value_sqnorms_rows")
         args = abi.kernel("santa_prop", "value_sqnorms_rows").args_of(
             v=ops.ptr(a), dtype=_DTYPE_CODES[dname], D=int(a.shape[-1]), rows=rows, mode=mode,
             s0=shape[0], s1=shape[1], s2=shape[2], vs0=vs[0], vs1=vs[1], vs2=vs[2],
             out=ops.ptr(out), os0=os_[0], os1=os_[1], os2=os_[2], start=startp, count=count,
             kv_indptr=indptr, kv_indices=indices, page_size=page_size, hnd=hnd, H=H)
         stream = arrays.launch_stream(ops, device)
-        from .cuda.runtime import launch
-
         launch.Launcher(kern)(((rows + _ROWS_PER_CTA - 1) // _ROWS_PER_CTA,), (_THREADS,), args,
                               stream)
     return out

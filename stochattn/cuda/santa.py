@@ -199,16 +199,6 @@ def santa_prop(q, k, v, seq_lens=None, *, budget, sampler="systematic", tile_siz
                     k_feature_major, out, workspace)
 
 
-def extra_kernel(name: str, cfg=None):
-    """A santa_prop kernel of the error-targeted budgets (``santa_prop_budgets``,
-    ``santa_prop_sample_budgets<T, D>``, ``value_sqnorms_rows``), through the runtime's
-    module cache (compiled on first use, one module per instantiation)."""
-    from .runtime import launch as _launch
-
-    cfg = _launch.gpu_config(cfg)
-    return _launch.get_kernel(_FAMILY, name, cfg)
-
-
 def workspace_bytes(batch, q_heads, kv_heads, tokens, head_dim, budget, *, tile_size=64,
                     sampler="systematic") -> int:
     """Scratch bytes of one :func:`santa_prop` call (the module docstring's formula): what
@@ -630,8 +620,8 @@ class _TargetedPlan:
         decl = abi.kernel(_FAMILY, "santa_prop_sample_budgets")
         bdecl = abi.kernel(_FAMILY, "santa_prop_budgets")
         with inputs.device_scope(self.device):
-            sample = launch.Launcher(extra_kernel(decl.expr(T=ctype, D=s.head_dim), cfg))
-            budgets = launch.Launcher(extra_kernel("santa_prop_budgets", cfg))
+            sample = launch.launcher(_FAMILY, decl.expr(T=ctype, D=s.head_dim), 0, cfg)
+            budgets = launch.launcher(_FAMILY, bdecl.expr(), 0, cfg)
         common = dict(Hq=s.q_heads, G=s.group, N=s.tokens, n_pad=n_pad, n_tiles=n_tiles,
                       tile_size=ts)
         # The pilot sets: fixed S (no budgets array), stratified, purpose 4, each on its
