@@ -759,32 +759,28 @@ santa_prop_sample_budgets(const T* __restrict__ v, const int* __restrict__ seq_l
                         part_o ? 1 : 0, 0);
 }
 
-// Sum of one float64 per thread over the block, in a fixed order (deterministic); every
-// thread gets the total. `sm`: kSampleWarps values. Contains __syncthreads.
-__device__ double block_sum_f64(double x, double* sm) {
+// Reduction of one value per thread over the block, every thread getting the result: an
+// xor butterfly in each warp, then the kSampleWarps warp results folded in warp order, so
+// a float64 sum is deterministic. `sm`: kSampleWarps values. Contains __syncthreads.
+template <typename V, typename Op>
+__device__ V block_reduce(V x, Op op, V* sm) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  for (int off = 16; off > 0; off >>= 1) x = op(x, __shfl_xor_sync(0xffffffffu, x, off));
   if (lane == 0) sm[warp] = x;
   __syncthreads();
-  double t = 0.0;
-  for (int w = 0; w < kSampleWarps; ++w) t += sm[w];
+  V t = sm[0];
+  for (int w = 1; w < kSampleWarps; ++w) t = op(t, sm[w]);
   __syncthreads();  // sm is free again
   return t;
 }
 
-// Max of one float64 per thread over the block; every thread gets it. As block_sum_f64.
-__device__ double block_max_f64(double x, double* sm) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) x = fmax(x, __shfl_xor_sync(0xffffffffu, x, off));
-  if (lane == 0) sm[warp] = x;
-  __syncthreads();
-  double t = sm[0];
-  for (int w = 1; w < kSampleWarps; ++w) t = fmax(t, sm[w]);
-  __syncthreads();
-  return t;
-}
+struct SumD {
+  __device__ double operator()(double a, double b) const { return a + b; }
+};
+struct MaxD {  // fmax: a NaN gives way to the other operand
+  __device__ double operator()(double a, double b) const { return fmax(a, b); }
+};
 
 // u . v_J summed over the draws J = pilot_b[m], m < S_B (a warp per draw, lanes over d,
 // float64), of (u . v_J - t)^2 when `centre`: the studentised pilot's t_B and spread.
@@ -818,7 +814,7 @@ __device__ double student_sum(const unsigned short* __restrict__ v, int dtype,
     for (int off = 16; off > 0; off >>= 1) proj += __shfl_xor_sync(0xffffffffu, proj, off);
     if (lane == 0) acc += centre ? (proj - t) * (proj - t) : proj;
   }
-  return block_sum_f64(acc, sm);
+  return block_reduce(acc, SumD(), sm);
 }
 
 // One CTA per (b, query head) row: the budget S of choose_budgets (norm "pilot", or
@@ -855,7 +851,7 @@ santa_prop_budgets(const float* __restrict__ logits, const float* __restrict__ t
                    double c_main, double k_pilot, int max_budget, int student, int dtype,
                    int S_B, double z) {
   STOCHATTN_PDL_ENTRY();
-  __shared__ float sm_f[kSampleWarps + 1];
+  __shared__ float sm_f[kSampleWarps];
   __shared__ double sm_d[kSampleWarps];
   const long long row = blockIdx.x;  // b * Hq + h
   const int tid = threadIdx.x;
@@ -878,10 +874,7 @@ santa_prop_budgets(const float* __restrict__ logits, const float* __restrict__ t
   const float* tm = tile_m + row * n_tiles;
   float mxl = STOCHATTN_NEG_INF;
   for (int t = tid; t < T_b; t += kSampleThreads) mxl = nan_max(mxl, tm[t]);
-  mxl = block_inclusive_scan(mxl, STOCHATTN_NEG_INF, MaxF(), sm_f);
-  if (tid == kSampleThreads - 1) sm_f[kSampleWarps] = mxl;
-  __syncthreads();
-  const float mstar_f = sm_f[kSampleWarps];
+  const float mstar_f = block_reduce(mxl, MaxF(), sm_f);
   if (mstar_f != mstar_f || mstar_f == STOCHATTN_NEG_INF) {  // uniform over the block
     if (tid == 0) {
       budgets[row] = 1;
@@ -922,9 +915,9 @@ santa_prop_budgets(const float* __restrict__ logits, const float* __restrict__ t
     const double o = (double)orow_p[d];
     y2 += o * o;
   }
-  num = block_sum_f64(num, sm_d);
-  den = block_sum_f64(den, sm_d);
-  y2 = block_sum_f64(y2, sm_d);
+  num = block_reduce(num, SumD(), sm_d);
+  den = block_reduce(den, SumD(), sm_d);
+  y2 = block_reduce(y2, SumD(), sm_d);
   // The formula in the reference's operations and order, each rounded once: the _rn
   // intrinsics keep the compiler from contracting a * b + c into an FMA, so S, capped
   // and the bound are the bits NumPy computes from the same m2 and L^2
@@ -932,7 +925,7 @@ santa_prop_budgets(const float* __restrict__ logits, const float* __restrict__ t
   const double m2 = den > 0.0 ? __ddiv_rn(num, den) : 0.0;  // den >= 1: the max row's exp(0)
   double L = 0.0;
   if (student) {
-    vmax2 = block_max_f64(vmax2, sm_d);
+    vmax2 = block_reduce(vmax2, MaxD(), sm_d);
     const double na = __dsqrt_rn(y2);  // ||o_A||
     if (na > 0.0 && S_B > 1) {  // uniform over the block
       long long base;
