@@ -209,6 +209,7 @@ def _gpu_launch(a, out, shape, *, mode, start=None, count=1, cache=None, B=0, H=
                 indices = ops.ptr(_device_int32("kv_indices", cache.kv_indices, None, ops, a,
                                                 device, keep, exact=True))
                 page_size, hnd = cache.page_size, int(cache.layout == "HND")
+                _check_paged_addressing(cache, vs, os_, 4 if dname == "float32" else 2)
         if rows == 0:
             return out
         kern = launch.get_kernel("santa_prop", "value_sqnorms_rows")
@@ -221,6 +222,18 @@ def _gpu_launch(a, out, shape, *, mode, start=None, count=1, cache=None, B=0, H=
         launch.Launcher(kern)(((rows + _ROWS_PER_CTA - 1) // _ROWS_PER_CTA,), (_THREADS,), args,
                               stream)
     return out
+
+
+def _check_paged_addressing(cache, vs, os_, itemsize):
+    """The kernel reads a pool as the attention kernels do (kv_rows.cuh): a sequence's token
+    index and the byte strides of a page's slot and head axes are 32-bit."""
+    if int(cache.kv_indices.shape[0]) * cache.page_size >= 2**31:
+        raise ValueError("the page table must hold fewer than 2**31 token slots on the GPU, "
+                         f"got {int(cache.kv_indices.shape[0])} pages of {cache.page_size}")
+    for what, strides, size in (("v", vs, itemsize), ("sqnorms", os_, 4)):
+        if any(abs(s) * size >= 2**31 for s in strides[1:3]):
+            raise ValueError(f"`{what}`: the strides of a page's slot and head axes must be "
+                             f"below 2**31 bytes, got {strides} elements")
 
 
 def _device_int32(name, x, n, ops, like, device, keep, exact=False):

@@ -759,6 +759,44 @@ santa_prop_sample_budgets(const T* __restrict__ v, const int* __restrict__ seq_l
                         part_o ? 1 : 0, 0);
 }
 
+// Rows of the streams the budget kernels read that kv_rows<D> does not name as they are:
+// V with D known only at run time (santa_prop_budgets), the float32 norms beside the
+// cache, and V of float32 (value_sqnorms_rows). In a paged pool a row's address does not
+// involve its length, so KvRows (kv_rows.cuh, the one home of the paged addressing rule:
+// page_index, offset) gives it for elements of any even size once the pool's strides are
+// counted in 16-bit units (elem_bytes / 2 per element); its D, the contiguous row length,
+// is then unused: KvRows<1>. A contiguous stream (B, Hkv, N, width) is a plain array:
+// row n at `contig` + n * row_bytes.
+struct BudgetRows {
+  KvRows<1> paged;              // paged.pages null: contiguous
+  const unsigned char* contig;  // row 0 of a contiguous stream
+  long long row_bytes;          // of a contiguous row
+
+  template <typename T>
+  __device__ __forceinline__ const T* row_of(long long n) const {
+    return paged.pages ? paged.template row_of<T>(n)
+                       : reinterpret_cast<const T*>(contig + n * row_bytes);
+  }
+};
+
+// The rows of stream (b, kvh) of `cache`, elements of `elem_bytes` (2 or 4) bytes: `width`
+// per row of a contiguous (B, Hkv, N, width) cache, or the pool through `t` (its strides
+// in elements of the cache).
+__device__ __forceinline__ BudgetRows budget_rows(const void* cache, int elem_bytes,
+                                                  const PageTable& t, int b, int kvh, int Hkv,
+                                                  long long N, long long width) {
+  const int units = elem_bytes / 2;
+  PageTable u = t;
+  u.page_stride *= units;
+  u.row_stride *= units;
+  u.head_stride *= units;
+  BudgetRows r;
+  r.paged = kv_rows<1>(cache, u, b, kvh, Hkv, N);
+  r.row_bytes = width * elem_bytes;
+  r.contig = static_cast<const unsigned char*>(cache) + ((long long)b * Hkv + kvh) * N * r.row_bytes;
+  return r;
+}
+
 // Reduction of one value per thread over the block, every thread getting the result: an
 // xor butterfly in each warp, then the kSampleWarps warp results folded in warp order, so
 // a float64 sum is deterministic. `sm`: kSampleWarps values. Contains __syncthreads.
@@ -784,29 +822,19 @@ struct MaxD {  // fmax: a NaN gives way to the other operand
 
 // u . v_J summed over the draws J = pilot_b[m], m < S_B (a warp per draw, lanes over d,
 // float64), of (u . v_J - t)^2 when `centre`: the studentised pilot's t_B and spread.
-// v is read as 16-bit elements (dtype 0 float16, 1 bfloat16) at row J of stream (b, kvh),
-// contiguous (B, Hkv, N, D) or through the page table (strides in elements). Every
+// v is read as 16-bit elements (dtype 0 float16, 1 bfloat16) at row J of `vrows`. Every
 // thread gets the block total. Contains __syncthreads.
-__device__ double student_sum(const unsigned short* __restrict__ v, int dtype,
-                              const PageTable& table, const int* pages, long long base,
+__device__ double student_sum(const BudgetRows& vrows, int dtype,
                               const float* __restrict__ oa, double na,
                               const int* __restrict__ draws, int S_B, int D, bool centre,
                               double t, double* sm) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   double acc = 0.0;
   for (int m = warp; m < S_B; m += kSampleWarps) {
-    const long long J = __ldg(draws + m);
-    long long at;
-    if (pages) {
-      const int p = (int)(J / table.page_size);
-      at = (long long)__ldg(pages + p) * table.page_stride
-           + (J - (long long)p * table.page_size) * table.row_stride + base;
-    } else {
-      at = base + J * D;
-    }
+    const unsigned short* vj = vrows.row_of<unsigned short>(__ldg(draws + m));
     double proj = 0.0;
     for (int d = lane; d < D; d += 32) {
-      const unsigned short h = __ldg(v + at + d);
+      const unsigned short h = __ldg(vj + d);
       const float x = dtype == 0 ? Elem<f16>::to_float(h) : Elem<bf16>::to_float(h);
       proj += ((double)oa[d] / na) * (double)x;
     }
@@ -887,24 +915,16 @@ santa_prop_budgets(const float* __restrict__ logits, const float* __restrict__ t
   }
   const double mstar = (double)mstar_f;
   const float* xrow = logits + row * n_pad;
-  const float* sq = sqnorms;
-  const int* pages = nullptr;
-  if (table.paged()) {
-    sq += (long long)kvh * sq_head_stride;
-    pages = table.indices + __ldg(table.indptr + b);
-  } else {
-    sq += ((long long)b * Hkv + kvh) * N;
-  }
+  // The norms: one float32 per row, through V's page table with the norms' strides.
+  const BudgetRows sq = budget_rows(
+      sqnorms, 4,
+      page_table(kv_indptr, kv_indices, kv_last_page_len, page_size, sq_page_stride,
+                 sq_row_stride, sq_head_stride),
+      b, kvh, Hkv, N, 1);
   double num = 0.0, den = 0.0, vmax2 = 0.0;
   for (long long j = tid; j < len; j += kSampleThreads) {
     const double w = exp((double)xrow[j] - mstar);  // <= 1
-    long long at = j;
-    if (pages) {
-      const int p = (int)(j / page_size);
-      at = (long long)__ldg(pages + p) * sq_page_stride
-           + (j - (long long)p * page_size) * sq_row_stride;
-    }
-    const double sqv = (double)__ldg(sq + at);
+    const double sqv = (double)__ldg(sq.row_of<float>(j));
     den += w;
     num += w * sqv;
     if (w > 0.0) vmax2 = fmax(vmax2, sqv);
@@ -928,18 +948,13 @@ santa_prop_budgets(const float* __restrict__ logits, const float* __restrict__ t
     vmax2 = block_reduce(vmax2, MaxD(), sm_d);
     const double na = __dsqrt_rn(y2);  // ||o_A||
     if (na > 0.0 && S_B > 1) {  // uniform over the block
-      long long base;
-      if (pages)
-        base = (long long)kvh * head_stride;
-      else
-        base = ((long long)b * Hkv + kvh) * N * D;
-      const unsigned short* vv = static_cast<const unsigned short*>(v);
+      const BudgetRows vrows = budget_rows(v, 2, table, b, kvh, Hkv, N, D);
       const int* draws = pilot_b + row * S_B;
       const double sb = (double)S_B;
-      const double t = __ddiv_rn(student_sum(vv, dtype, table, pages, base, orow_p, na, draws,
-                                             S_B, D, false, 0.0, sm_d), sb);
-      const double s2 = __ddiv_rn(student_sum(vv, dtype, table, pages, base, orow_p, na, draws,
-                                              S_B, D, true, t, sm_d), sb - 1.0);
+      const double t = __ddiv_rn(student_sum(vrows, dtype, orow_p, na, draws, S_B, D, false,
+                                             0.0, sm_d), sb);
+      const double s2 = __ddiv_rn(student_sum(vrows, dtype, orow_p, na, draws, S_B, D, true, t,
+                                              sm_d), sb - 1.0);
       const double width = fmax(__dmul_rn(z, __dsqrt_rn(__ddiv_rn(s2, sb))),
                                 __ddiv_rn(__dmul_rn(2.0, __dsqrt_rn(vmax2)), sb));
       L = fmin(fmax(__dsub_rn(t, width), 0.0), __dsqrt_rn(m2));
@@ -986,7 +1001,8 @@ santa_prop_budgets(const float* __restrict__ logits, const float* __restrict__ t
 //           token start[b] + i (rows outside [0, s2) skipped);
 //   mode 2: append to a paged cache's pool (page, slot, h) ("NHD", hnd = 0) or
 //           (page, h, slot) (hnd = 1): token start[b] + i of sequence b through the page
-//           table kv_indptr / kv_indices (tokens outside the sequence's pages skipped).
+//           table kv_indptr / kv_indices (kv_rows.cuh's rule, as budget_rows; tokens
+//           outside the sequence's pages skipped).
 constexpr int kNormThreads = 256;
 __global__ void __launch_bounds__(kNormThreads)
 value_sqnorms_rows(const void* __restrict__ v, int dtype, int D, long long rows, int mode,
@@ -999,7 +1015,10 @@ value_sqnorms_rows(const void* __restrict__ v, int dtype, int D, long long rows,
   const long long r = (long long)blockIdx.x * (kNormThreads / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (r >= rows) return;
-  long long i0, i1, i2;
+  const int eb = dtype == 2 ? 4 : 2;  // bytes per element of v
+  long long i0 = 0, i1 = 0, i2 = 0;   // modes 0 and 1: the row's indices
+  const unsigned char* vrow = nullptr;  // the row's first element
+  float* orow = nullptr;                // its norm
   if (mode == 0) {
     i0 = r / (s1 * s2);
     i1 = (r / s2) % s1;
@@ -1013,29 +1032,36 @@ value_sqnorms_rows(const void* __restrict__ v, int dtype, int D, long long rows,
       if (tok >= s2) return;
       i0 = b; i1 = h; i2 = tok;
     } else {
-      const long long p0 = __ldg(kv_indptr + b), p1 = __ldg(kv_indptr + b + 1);
-      const long long pi = tok / page_size;
-      if (pi >= p1 - p0) return;
-      const long long page = __ldg(kv_indices + p0 + pi);
-      const long long slot = tok - pi * page_size;
-      i0 = page;
-      i1 = hnd ? h : slot;
-      i2 = hnd ? slot : h;
+      const long long pages = (long long)__ldg(kv_indptr + b + 1) - __ldg(kv_indptr + b);
+      if (tok >= pages * page_size) return;  // past the sequence's pages
+      // Slot and head strides of the pools, by layout (the host checks they fit in int).
+      const int vrs = (int)(hnd ? vs2 : vs1), vhs = (int)(hnd ? vs1 : vs2);
+      const int ors = (int)(hnd ? os2 : os1), ohs = (int)(hnd ? os1 : os2);
+      vrow = budget_rows(v, eb, page_table(kv_indptr, kv_indices, nullptr, page_size, vs0, vrs,
+                                           vhs),
+                         (int)b, (int)h, H, 0, D).row_of<unsigned char>(tok);
+      orow = const_cast<float*>(
+          budget_rows(out, 4, page_table(kv_indptr, kv_indices, nullptr, page_size, os0, ors,
+                                         ohs),
+                      (int)b, (int)h, H, 0, 1).row_of<float>(tok));
     }
   }
-  const long long at = i0 * vs0 + i1 * vs1 + i2 * vs2;
+  if (mode != 2) {
+    vrow = static_cast<const unsigned char*>(v) + (i0 * vs0 + i1 * vs1 + i2 * vs2) * eb;
+    orow = out + i0 * os0 + i1 * os1 + i2 * os2;
+  }
   double acc = 0.0;
   for (int d = lane; d < D; d += 32) {
     float x;
     if (dtype == 0)
-      x = Elem<f16>::to_float(static_cast<const unsigned short*>(v)[at + d]);
+      x = Elem<f16>::to_float(reinterpret_cast<const unsigned short*>(vrow)[d]);
     else if (dtype == 1)
-      x = Elem<bf16>::to_float(static_cast<const unsigned short*>(v)[at + d]);
+      x = Elem<bf16>::to_float(reinterpret_cast<const unsigned short*>(vrow)[d]);
     else
-      x = static_cast<const float*>(v)[at + d];
+      x = reinterpret_cast<const float*>(vrow)[d];
     acc += (double)x * (double)x;
   }
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  if (lane == 0) out[i0 * os0 + i1 * os1 + i2 * os2] = (float)acc;
+  if (lane == 0) *orow = (float)acc;
 }
