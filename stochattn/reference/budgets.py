@@ -103,6 +103,7 @@ __all__ = [
     "check_options",
     "choose_budgets",
     "budgets_from_moments",
+    "budgets_from_variance",
     "pilot_size",
     "santa_attention_targeted",
 ]
@@ -330,7 +331,13 @@ def budgets_from_moments(m2, L2, c: float, eps: float, max_budget: int, nonempty
     float64 operations in the same order."""
     # sigma2 <= m2 - L^2 (equality under the oracle). m2 - ||o||^2 loses about 1e-16 m2 to
     # cancellation when the row is nearly deterministic; clipped at 0, S = 1 there.
-    var = np.maximum(m2 - L2, 0.0)
+    return budgets_from_variance(np.maximum(m2 - L2, 0.0), L2, c, eps, max_budget, nonempty)
+
+
+def budgets_from_variance(var, L2, c: float, eps: float, max_budget: int, nonempty):
+    """:func:`budgets_from_moments` from a bound ``var`` >= 0 of the estimate's variance
+    times S (``m2 - L^2`` for S²ANTA; ``w_A^2 V_A`` when part of the output is exact,
+    :mod:`.split_budgets`): S = min(max_budget, max(1, ceil(c var / (eps^2 L^2))))."""
     with np.errstate(divide="ignore", invalid="ignore"):
         need = np.where(L2 > 0, c * var / (eps * eps * L2), np.inf)  # float: may be inf
         need = np.where(var > 0, need, 1.0)  # every draw equals o: one is enough

@@ -140,7 +140,9 @@ def _heads(q, k, v, lens, index):
 def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, seed, offset,
                       scale, sample_order="position", mass="paper", value="mean",
                       mass_alpha=1.0, mass_stats=None, mass_rank=4, mass_sub=4,
-                      mass_diagnostics=False):
+                      mass_diagnostics=False, eps=None, delta=None, max_budget=None,
+                      budget_rule="chebyshev", budget_norm="pilot", pilot=64,
+                      pilot_share=0.25, v_sqnorms=None):
     """Double-P decode output (B, Hq, D) float64 and a dict of diagnostics arrays.
 
     ``index`` is a :class:`stochattn.doublep.DoublePIndex` (only its arrays are read).
@@ -168,6 +170,13 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
       scoring summary of every non-empty cluster, the pseudo-token summary of each cluster
       some query head of the group approximates); with ``mass="exact"`` (an oracle that
       reads every key) ``k_index_rows`` is the keys not already in ``k_rows_read``.
+    - Error-targeted budgets (sampled variant, ``budget=None``): ``eps``, ``delta``,
+      ``max_budget``, ``budget_rule``, ``budget_norm``, ``pilot``, ``pilot_share`` as
+      S²ANTA's; each head draws the S that :func:`.split_budgets.choose_split_budgets`
+      chooses for its C_approx (the exact part's output and weight known, the pilot drawn
+      from C_approx), the same points as a fixed-budget call with that S. ``v_sqnorms``
+      (B, Hkv, N): the per-token ||v_j||^2 kept beside the cache (computed from ``v`` when
+      None). Diagnostics ``budget``, ``budget_capped``, ``error_bound`` (B, Hq).
     - ``mass_diagnostics``: add per query head ``cluster_true_mass`` (the true mass of
       C_p's tokens among all clustered tokens, comparable with ``estimated_mass``) and
       ``approx_log_mass_error`` (``log sum_{C_approx} Zhat_i - log sum_{C_approx} Z_i``;
@@ -190,7 +199,21 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
     q64 = np.asarray(q, dtype=np.float64)
     out = np.zeros((B, Hq, D))
     diag = _new_diagnostics(B, Hq, N)
-    if approx == "sample":
+    targeted = eps is not None
+    if targeted:
+        if approx != "sample" or budget is not None:
+            raise ValueError("`eps`: error-targeted budgets need approx='sample' and budget=None")
+        if delta is None or max_budget is None:
+            raise ValueError("`eps` needs `delta` and `max_budget`")
+        from ..budget_rules import check_options
+        check_options(eps, delta, max_budget, budget_rule, budget_norm, pilot, pilot_share)
+        from .budgets import value_sqnorms
+        from .split_budgets import choose_split_budgets
+        sqn = value_sqnorms(v) if v_sqnorms is None else np.asarray(v_sqnorms, dtype=np.float64)
+        for key, dt in (("budget", np.int64), ("budget_capped", bool), ("error_bound", float)):
+            diag[key] = np.zeros((B, Hq), dtype=dt)
+        picks_of = {}
+    elif approx == "sample":
         rows = np.arange(B * Hq, dtype=np.int64).reshape(B, Hq)  # row = b * Hq + h
         points = sample_points(sampler, budget, seed=seed, offset=offset, row=rows, stream=0,
                                purpose=PURPOSE_CLUSTER_SAMPLER, heads=Hq)  # (B, Hq, budget)
@@ -260,7 +283,28 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
                 den = we.sum()
                 k_extra = approx_tokens
                 v_extra = np.zeros(0, dtype=np.int64)
-                if approx_tokens.size:
+                if approx_tokens.size and targeted:
+                    den_e = we.sum()
+                    ch = choose_split_budgets(
+                        wa[None], V[approx_tokens][None], sqn[b, kvh, approx_tokens][None],
+                        np.array([den_e / (den_e + wa.sum())]),
+                        (num / den_e if den_e > 0 else np.zeros(D))[None], eps=eps,
+                        delta=delta, max_budget=max_budget, rule=budget_rule, norm=budget_norm,
+                        pilot=pilot, pilot_share=pilot_share, seed=seed, offset=offset,
+                        rows=np.array([b * Hq + h]), heads=Hq)
+                    S_h = int(ch.budget[0])
+                    diag["budget"][b, h] = S_h
+                    diag["budget_capped"][b, h] = ch.capped[0]
+                    diag["error_bound"][b, h] = ch.error_bound[0]
+                    pts = sample_points(sampler, S_h, seed=seed, offset=offset, row=b * Hq + h,
+                                        stream=0, purpose=PURPOSE_CLUSTER_SAMPLER, heads=Hq)
+                    picks = approx_tokens[invert_cdf(wa, pts)]
+                    picks_of[b, h] = picks
+                    z_a = wa.sum()
+                    num = num + z_a * V[picks].mean(axis=0)
+                    den = den + z_a
+                    v_extra = picks
+                elif approx_tokens.size:
                     z_a = wa.sum()  # exact mass of C_approx (shifted by m)
                     picks = approx_tokens[invert_cdf(wa, points[b, h])]
                     diag["sample_indices"][b, h] = picks
@@ -281,6 +325,11 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
         n_approx = int(approx_any.sum())
         diag["k_index_rows"][b, kvh] = int((sizes > 0).sum()) * k_every + n_approx * k_approx
         diag["v_index_rows"][b, kvh] = n_approx * v_approx
+    if targeted:  # (B, Hq, max S), -1 after a head's S draws
+        width = max([p.size for p in picks_of.values()], default=0)
+        diag["sample_indices"] = np.full((B, Hq, width), -1, dtype=np.int64)
+        for (b, h), p in picks_of.items():
+            diag["sample_indices"][b, h, :p.size] = p
     diag = _finish_diagnostics(diag, Hkv)
     if mass == "exact":  # the oracle's masses read every key of the sequence
         diag["k_index_rows"] = np.asarray(lens, dtype=np.int64)[:, None] - diag["k_rows_read"]

@@ -1,0 +1,193 @@
+"""Error-targeted budgets with an exact part (stochattn.reference.split_budgets; Double-P's
+sampled variant): o = w_E o_E + w_A o_A with o_A the mean of S draws from p_A.
+
+The claims and their tests follow tests/test_budgets.py (same pool of 320 generated heads,
+same binomial statistic): coverage over REPS x 320 = 10240 (call, head) pairs per case,
+one-sided exact binomial test at ALPHA / len(CASES) (ALPHA = 1e-6: the false-failure rate
+of the whole parametrised coverage test); the oracle budget equals the independently
+computed requirement (exact up to the ceil); a halved variance fails the same statistic;
+with no exact part the budgets are S²ANTA's (choose_budgets) row for row. Each head of the
+pool is split three ways (kind = h mod 3): no exact part; the exact part the top tokens up
+to 70% of the mass (Double-P's C_exact: w_A small); a random 30% of the tokens (w_A large).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stochattn.eval.budget_study import binom_sf
+from stochattn.reference import budgets as bd
+from stochattn.reference.split_budgets import choose_split_budgets
+from test_budgets import ALPHA, DELTAS, EPS, MAX_BUDGET, REPS, Pool, draw_counts
+
+CASES = ([("iid", rule, norm, e, d) for rule in bd.RULES for norm in bd.NORMS
+          for e in EPS for d in DELTAS]
+         + [("stratified", "clt", "oracle", e, d) for e in EPS for d in DELTAS])
+CASE_ALPHA = ALPHA / len(CASES)
+
+
+class Split:
+    """The pool's heads with an exact part E and a sampled part A (module docstring)."""
+
+    def __init__(self, pool, seed=0):
+        rng = np.random.default_rng(seed)
+        H, N = pool.P.shape
+        exact = np.zeros((H, N), dtype=bool)
+        for h in range(H):
+            if h % 3 == 1:
+                order = np.argsort(-pool.P[h], kind="stable")
+                n = int(np.searchsorted(np.cumsum(pool.P[h, order]), 0.7)) + 1
+                exact[h, order[:min(n, N - 8)]] = True
+            elif h % 3 == 2:
+                exact[h, rng.permutation(N)[:int(0.3 * N)]] = True
+        self.P, self.V, self.o, self.on2 = pool.P, pool.V, pool.o, pool.on2
+        self.H = H
+        self.wa = np.where(exact, 0.0, pool.P)             # unnormalised weights of A
+        za = self.wa.sum(-1)
+        self.w_exact = 1.0 - za
+        pe = np.where(exact, pool.P, 0.0)
+        self.o_exact = np.einsum("hn,hnd->hd", pe, pool.V) / np.maximum(pe.sum(-1), 1e-300)[:, None]
+        self.pa = self.wa / za[:, None]
+        self.o_a = np.einsum("hn,hnd->hd", self.pa, pool.V)
+        # centred variance of one draw from p_A, independent of split_budgets' m2 - |o_A|^2
+        self.var_a = np.einsum("hn,hn->h", self.pa, ((pool.V - self.o_a[:, None]) ** 2).sum(-1))
+        self.sq = np.einsum("hnd,hnd->hn", pool.V, pool.V)
+        self.wA = za
+
+    def choose(self, rule, norm, eps, delta, seed, pilot=None, **kw):
+        pilot = pilot or {"pilot": bd.pilot_size(eps, delta, rule, 2000), "student": 512}.get(norm, 1)
+        return choose_split_budgets(self.wa, self.V, self.sq, self.w_exact, self.o_exact, eps=eps,
+                                    delta=delta, max_budget=MAX_BUDGET, rule=rule, norm=norm,
+                                    pilot=pilot, seed=seed, rows=np.arange(self.H), heads=self.H,
+                                    **kw)
+
+
+@pytest.fixture(scope="module")
+def split():
+    return Split(Pool())
+
+
+def coverage(split, budgets, sampler, eps, reps=REPS):
+    rng = np.random.default_rng(0)
+    F = 0
+    for r in range(reps):
+        S = budgets(r)
+        counts = draw_counts(rng, split.pa, S, sampler, seed=r).astype(np.float64)
+        mean = np.einsum("hn,hnd->hd", counts, split.V) / S[:, None]
+        o_hat = split.w_exact[:, None] * split.o_exact + split.wA[:, None] * mean
+        F += int((((o_hat - split.o) ** 2).sum(-1) > eps * eps * split.on2).sum())
+    return F, reps * split.H
+
+
+def requirement(split, rule, eps, delta, factor=1.0):
+    c = bd.tail_factor(rule, delta)
+    return np.maximum(np.ceil(c * split.wA**2 * factor * split.var_a / (eps**2 * split.on2)), 1)
+
+
+@pytest.mark.parametrize("sampler, rule, norm, eps, delta", CASES)
+def test_coverage(split, sampler, rule, norm, eps, delta):
+    F, n = coverage(split, lambda r: split.choose(rule, norm, eps, delta, r).budget, sampler, eps)
+    p = binom_sf(F, n, delta)
+    assert p >= CASE_ALPHA, f"{sampler}/{rule}/{norm} eps={eps} delta={delta}: {F}/{n}, P = {p:.1e}"
+
+
+@pytest.mark.parametrize("eps, delta", [(e, d) for e in EPS for d in DELTAS])
+def test_halved_variance_fails_coverage(split, eps, delta):
+    """The same statistic rejects the CLT budgets from half the variance (iid): planted."""
+    S = requirement(split, "clt", eps, delta, factor=0.5).astype(np.int64)
+    F, n = coverage(split, lambda r: S, "iid", eps)
+    assert binom_sf(F, n, delta) < CASE_ALPHA, f"planted bug not detected: {F}/{n}"
+
+
+@pytest.mark.parametrize("rule", bd.RULES)
+@pytest.mark.parametrize("eps, delta", [(0.1, 0.1), (0.05, 0.01)])
+def test_oracle_budget_is_the_requirement(split, rule, eps, delta):
+    """Exact up to the ceil: S = ceil(c w_A^2 var_A / (eps^2 |o|^2)); dropping w_A^2 (or
+    squaring it once only) is caught on the heads with an exact part."""
+    ch = split.choose(rule, "oracle", eps, delta, 0)
+    need = requirement(split, rule, eps, delta)
+    assert (np.abs(ch.budget - need) <= 1 + 1e-6 * need).all() and not ch.capped.any()
+    for wrong in (split.wA, 1.0 / split.wA):  # w_A once, or not at all
+        bad = requirement(split, rule, eps, delta, factor=wrong)
+        assert not (np.abs(ch.budget - bad) <= 1 + 1e-6 * bad).all()
+
+
+@pytest.mark.parametrize("norm", bd.NORMS)
+def test_no_exact_part_is_santas_rule(split, norm):
+    """w_E = 0: the budgets of choose_budgets on the same weights, row for row (the pilot's
+    L agrees where its good event can hold, which is every row here)."""
+    pool = Pool()
+    eps, delta, rule = 0.1, 0.1, "clt"
+    pilot = {"pilot": 400, "student": 256}.get(norm, 1)
+    a = bd.choose_budgets(pool.x, pool.sq, pool.v, eps=eps, delta=delta, max_budget=MAX_BUDGET,
+                          rule=rule, norm=norm, pilot=pilot, seed=3)
+    b = choose_split_budgets(pool.P, pool.V, pool.sq[0], np.zeros(pool.H), np.zeros_like(pool.o),
+                             eps=eps, delta=delta, max_budget=MAX_BUDGET, rule=rule, norm=norm,
+                             pilot=pilot, seed=3, rows=np.arange(pool.H), heads=pool.H)
+    np.testing.assert_allclose(b.norm_sq_lower, a.norm_sq_lower[0], rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(b.second_moment, a.second_moment[0], rtol=1e-12)
+    assert (np.abs(b.budget - a.budget[0]) <= 1).all()
+    assert np.mean(b.budget == a.budget[0]) > 0.99
+
+
+def test_empty_sampled_part_draws_nothing_and_errors_are_named():
+    wa = np.zeros((2, 5))
+    wa[1, 2] = 1.0
+    v = np.ones((2, 5, 3))
+    ch = choose_split_budgets(wa, v, (v * v).sum(-1), np.array([1.0, 0.5]), np.ones((2, 3)),
+                              eps=0.1, delta=0.1, max_budget=100, norm="oracle",
+                              rows=np.arange(2), heads=2)
+    assert ch.budget.tolist() == [0, 1] and not ch.capped.any()  # one token: one draw
+    assert ch.error_bound.tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="eps"):
+        choose_split_budgets(wa, v, (v * v).sum(-1), np.zeros(2), np.zeros((2, 3)), eps=0.0,
+                             delta=0.1, max_budget=10, rows=np.arange(2), heads=2)
+
+
+def _doublep_instance(seed=0):
+    from stochattn.doublep import build_doublep_index
+    from stochattn.eval.calibrated import make_calibrated_inputs
+    q, k, v = make_calibrated_inputs(2, 4, 2, 300, 16, seed=seed)
+    lens = np.array([300, 260])
+    index = build_doublep_index(k, v, lens, n_clusters=12, window=32)
+    return q, k, v, lens, index
+
+
+@pytest.mark.parametrize("norm", bd.NORMS)
+def test_doublep_heads_draw_what_a_fixed_budget_call_draws(norm):
+    """Each head's draws and output are those of the fixed-budget call with its S, bit for
+    bit (the points of a row depend on that row's S only)."""
+    from stochattn.reference.doublep import doublep_attention
+    q, k, v, lens, index = _doublep_instance()
+    opts = dict(p1=0.95, p2=0.5, approx="sample", sampler="systematic", seed=5, offset=2,
+                scale=0.25)
+    out, d = doublep_attention(q, k, v, lens, index, budget=None, eps=0.2, delta=0.1,
+                               max_budget=4000, budget_norm=norm, pilot=64, **opts)
+    S = d["budget"]
+    assert S.shape == (2, 4) and (S > 0).any() and (S <= 4000).all()
+    assert np.isfinite(d["error_bound"]).all() or d["budget_capped"].any()
+    for s in np.unique(S[S > 0]):
+        ref, rd = doublep_attention(q, k, v, lens, index, budget=int(s), **opts)
+        for b, h in zip(*np.nonzero(S == s)):
+            assert np.array_equal(out[b, h], ref[b, h])
+            assert np.array_equal(d["sample_indices"][b, h, :s], rd["sample_indices"][b, h])
+            assert (d["sample_indices"][b, h, s:] == -1).all()
+
+
+def test_doublep_budget_options_are_checked():
+    from stochattn.reference.doublep import doublep_attention
+    q, k, v, lens, index = _doublep_instance(1)
+    base = dict(p1=0.95, p2=0.5, sampler="systematic", seed=0, offset=0, scale=0.25)
+    with pytest.raises(ValueError, match="eps"):
+        doublep_attention(q, k, v, lens, index, approx="centroid", budget=None, eps=0.1,
+                          delta=0.1, max_budget=10, **base)
+    with pytest.raises(ValueError, match="eps"):
+        doublep_attention(q, k, v, lens, index, approx="sample", budget=8, eps=0.1,
+                          delta=0.1, max_budget=10, **base)
+    with pytest.raises(ValueError, match="delta"):
+        doublep_attention(q, k, v, lens, index, approx="sample", budget=None, eps=0.1,
+                          max_budget=10, **base)
+    with pytest.raises(ValueError, match="delta"):
+        doublep_attention(q, k, v, lens, index, approx="sample", budget=None, eps=0.1,
+                          delta=1.5, max_budget=10, **base)
