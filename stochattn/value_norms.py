@@ -21,8 +21,11 @@ float64 sums (NumPy's order, a warp's xor tree) round to different float32 neigh
 :func:`value_sqnorms` computes them all (``out=``: written in place, no allocation on the
 GPU); :func:`append_value_sqnorms` recomputes those of the tokens an engine has just
 written (``start[b] .. start[b] + count - 1`` of every sequence b, every KV head). On the
-GPU with a device int32 ``start`` and ``out`` given, neither allocates, copies to the host
-nor synchronises: both can be captured in a CUDA graph.
+GPU with ``out`` given and ``start`` an integer or a device int32 / int64 array, neither
+allocates, copies between host and device nor synchronises: both can be captured in a
+CUDA graph (an integer ``start`` is then fixed at its captured value; a device array is
+read at each replay). Each configuration's launch is packed once (the runtime's plan
+cache), so a call's host work is the inputs' checks and the launch.
 """
 
 from __future__ import annotations
@@ -32,8 +35,6 @@ import numpy as np
 __all__ = ["value_sqnorms", "append_value_sqnorms", "sqnorms_shape"]
 
 _DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2}
-_THREADS = 256  # value_sqnorms_rows: kNormThreads, one warp per row
-_ROWS_PER_CTA = _THREADS // 32
 
 
 def _is_paged(a) -> bool:
@@ -107,8 +108,10 @@ def append_value_sqnorms(v, sqnorms, start, count: int = 1):
     sqnorms : array
         The norms (:func:`value_sqnorms`'s shape and framework), updated in place.
     start : int or integer array (B,)
-        First new token of each sequence (the old length). On the GPU a device int32 array
-        is read by the kernel (graph-safe); host values or other dtypes are copied first.
+        First new token of each sequence (the old length). On the GPU an integer is passed
+        to the kernel as it is, and a device int32 or int64 array is read by the kernel
+        (neither allocates nor copies; the array is graph-safe); host arrays and other
+        dtypes are copied or converted to int32 first.
     count : int
         New tokens per sequence (>= 1). Tokens outside [0, N) (contiguous) are skipped.
 
@@ -166,12 +169,16 @@ def _strides(ops, a) -> tuple:
 
 
 def _gpu_launch(a, out, shape, *, mode, start=None, count=1, cache=None, B=0, H=0, name="out"):
-    """Launch value_sqnorms_rows on the current stream of a's framework."""
+    """Launch value_sqnorms_rows on the current stream of a's framework.
+
+    Per call: the inputs' checks, the plan's key, the pointers and the launch; the typed
+    arguments, grid and compiled kernel of each configuration are packed once
+    (:class:`_NormsPlan`, in the runtime's plan cache)."""
     from ._backend import require_cupy
 
     require_cupy("value_sqnorms")
-    from .cuda.kernels import abi
-    from .cuda.runtime import arrays, inputs, launch
+    from .cuda.config import get_config
+    from .cuda.runtime import arrays, inputs
     from .cuda.runtime import workspace as _workspace
 
     ops = arrays.ops_for("v", a)
@@ -195,51 +202,95 @@ def _gpu_launch(a, out, shape, *, mode, start=None, count=1, cache=None, B=0, H=
         else:
             _workspace._check_array(name, ops, out, shape, "float32", device, align=4)
         os_ = _strides(ops, out)
-        startp = indptr = indices = 0
+        startp = indptr = indices = start0 = start_int64 = 0
         page_size = hnd = 0
         if mode == 0:
             rows = shape[0] * shape[1] * shape[2]
         else:
             rows = B * H * count
-            st = _device_int32("start", start, B, ops, a, device, keep)
-            startp = ops.ptr(st)
+            startp, start_int64, start0 = _start_arg(start, B, ops, a, device, keep)
             if mode == 2:
                 indptr = ops.ptr(_device_int32("kv_indptr", cache.kv_indptr, B + 1, ops, a,
                                                device, keep, exact=True))
                 indices = ops.ptr(_device_int32("kv_indices", cache.kv_indices, None, ops, a,
                                                 device, keep, exact=True))
                 page_size, hnd = cache.page_size, int(cache.layout == "HND")
-                _check_paged_addressing(cache, vs, os_, 4 if dname == "float32" else 2)
+                if int(cache.kv_indices.shape[0]) * page_size >= 2**31:
+                    raise ValueError("the page table must hold fewer than 2**31 token slots on "
+                                     f"the GPU (kv_rows.cuh's 32-bit token index), got "
+                                     f"{int(cache.kv_indices.shape[0])} pages of {page_size}")
         if rows == 0:
             return out
-        kern = launch.get_kernel("santa_prop", "value_sqnorms_rows")
-        args = abi.kernel("santa_prop", "value_sqnorms_rows").args_of(
-            v=ops.ptr(a), dtype=_DTYPE_CODES[dname], D=int(a.shape[-1]), rows=rows, mode=mode,
-            s0=shape[0], s1=shape[1], s2=shape[2], vs0=vs[0], vs1=vs[1], vs2=vs[2],
-            out=ops.ptr(out), os0=os_[0], os1=os_[1], os2=os_[2], start=startp, count=count,
-            kv_indptr=indptr, kv_indices=indices, page_size=page_size, hnd=hnd, H=H)
-        stream = arrays.launch_stream(ops, device)
-        launch.Launcher(kern)(((rows + _ROWS_PER_CTA - 1) // _ROWS_PER_CTA,), (_THREADS,), args,
-                              stream)
+        cfg = get_config(device)
+        conf = (_DTYPE_CODES[dname], int(a.shape[-1]), rows, mode, shape, vs[:3], os_,
+                start_int64, count, page_size, hnd, H)
+        plan = inputs.cached_plan(("value_sqnorms_rows", ops.name, device, cfg) + conf,
+                                  lambda: _NormsPlan(cfg, *conf))
+        plan.packed(arrays.launch_stream(ops, device), ops.ptr(a), ops.ptr(out), startp,
+                    np.int64(start0), indptr, indices)
     return out
 
 
-def _check_paged_addressing(cache, vs, os_, itemsize):
-    """The kernel reads a pool as the attention kernels do (kv_rows.cuh): a sequence's token
-    index and the byte strides of a page's slot and head axes are 32-bit."""
-    if int(cache.kv_indices.shape[0]) * cache.page_size >= 2**31:
-        raise ValueError("the page table must hold fewer than 2**31 token slots on the GPU, "
-                         f"got {int(cache.kv_indices.shape[0])} pages of {cache.page_size}")
+class _NormsPlan:
+    """One configuration of value_sqnorms_rows: its kernel on the current device, grid and
+    typed arguments packed once (:class:`stochattn.cuda.runtime.launch.Packed`); a call
+    passes only the pointers and the scalar start."""
+
+    __slots__ = ("packed",)
+    VARIABLE = ("v", "out", "start", "start0", "kv_indptr", "kv_indices")
+
+    def __init__(self, cfg, dtype, D, rows, mode, shape, vs, os_, start_int64, count, page_size,
+                 hnd, H):
+        from .cuda.kernels import abi
+        from .cuda.runtime import launch
+
+        if mode == 2:
+            _check_paged_strides(vs, os_, 4 if dtype == _DTYPE_CODES["float32"] else 2)
+        decl = abi.kernel("santa_prop", "value_sqnorms_rows")
+        threads = abi.constant("santa_prop", "kNormThreads")  # one warp per row
+        args = decl.bind(self.VARIABLE, dtype=dtype, D=D, rows=rows, mode=mode, s0=shape[0],
+                         s1=shape[1], s2=shape[2], vs0=vs[0], vs1=vs[1], vs2=vs[2], os0=os_[0],
+                         os1=os_[1], os2=os_[2], start_int64=start_int64, count=count,
+                         page_size=page_size, hnd=hnd, H=H)
+        self.packed = launch.Packed(launch.launcher("santa_prop", decl.expr(), 0, cfg),
+                                    (-(-rows // (threads // 32)),), (threads,), args)
+
+
+def _check_paged_strides(vs, os_, itemsize):
+    """The kernel reads a pool as the attention kernels do (kv_rows.cuh): the byte strides
+    of a page's slot and head axes are 32-bit."""
     for what, strides, size in (("v", vs, itemsize), ("sqnorms", os_, 4)):
         if any(abs(s) * size >= 2**31 for s in strides[1:3]):
             raise ValueError(f"`{what}`: the strides of a page's slot and head axes must be "
                              f"below 2**31 bytes, got {strides} elements")
 
 
-def _device_int32(name, x, n, ops, like, device, keep, exact=False):
+def _start_arg(start, B, ops, like, device, keep):
+    """(pointer, int64 flag, scalar) of ``start`` for value_sqnorms_rows: an integer is the
+    kernel's scalar start0 (no array, no copy); a device int32 or int64 array (B,) is read
+    in place; host arrays and other dtypes are copied or converted to int32 first."""
+    from .cuda.runtime import arrays
+
+    value = None
+    if isinstance(start, (int, np.integer)) and not isinstance(start, bool):
+        value = int(start)
+    elif not isinstance(start, bool):
+        host = arrays.host_values("start", start)
+        if host is not None and np.ndim(host) == 0:
+            value = int(np.asarray(host))
+    if value is not None:
+        if not -2**63 <= value < 2**63:
+            raise ValueError(f"`start` must fit in int64, got {value}")
+        return 0, 0, value
+    x = _device_int32("start", start, B, ops, like, device, keep, allow_int64=True)
+    return ops.ptr(x), int(ops.dtype_name(ops.meta(x)[0]) == "int64"), 0
+
+
+def _device_int32(name, x, n, ops, like, device, keep, exact=False, allow_int64=False):
     """``x`` as a contiguous int32 device array of ``ops``'s framework (copied from the host,
     or converted, when it is not one already; ``exact``: the page table must already be
-    int32 on the device, as the kernels take it)."""
+    int32 on the device, as the kernels take it; ``allow_int64``: a device int64 array is
+    kept as it is)."""
     from .cuda.runtime import arrays
 
     host = None
@@ -279,7 +330,7 @@ def _device_int32(name, x, n, ops, like, device, keep, exact=False):
         raise ValueError(f"`{name}` must be on the GPU of `v` ({device}), got device {dev}")
     if n is not None and tuple(int(s) for s in shp) != (n,):
         raise ValueError(f"`{name}` must have shape ({n},), got {tuple(shp)}")
-    if ops.dtype_name(dt) != "int32":
+    if ops.dtype_name(dt) != "int32" and not (allow_int64 and ops.dtype_name(dt) == "int64"):
         if exact:
             raise TypeError(f"`{name}` must be int32 on the GPU, got {ops.dtype_name(dt)}")
         x = x.to(getattr(__import__("torch"), "int32")) if ops is arrays.TORCH \

@@ -115,3 +115,73 @@ def test_append_checks_arguments():
         append_value_sqnorms(v, sq.astype(np.float64), 0)
     with pytest.raises(ValueError, match="`sqnorms`"):
         append_value_sqnorms(v, sq[:, :, :3], 0)
+
+
+# ---- the GPU launch's host half (no GPU: a fake launcher) --------------------------------
+
+
+class _FakeLauncher:
+    """A Launcher without a driver function: Packed falls back to calling it."""
+
+    fn = None
+    smem = 0
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, grid, block, args, stream=None):
+        self.calls.append((grid, block, args, stream))
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_gpu_plan_packs_the_kernel_arguments_once(monkeypatch, mode):
+    """_NormsPlan binds every argument of value_sqnorms_rows by its declared name and type
+    (the one launch description); a call then passes only pointers and the scalar start,
+    with the grid of one warp per row."""
+    from stochattn import value_norms
+    from stochattn.cuda.kernels import abi
+    from stochattn.cuda.runtime import launch
+
+    fake = _FakeLauncher()
+    monkeypatch.setattr(launch, "launcher", lambda family, name, smem, cfg: fake)
+    shape, vs, os_ = (6, 16, 4), (2 * 16 * 4 * 64, 4 * 64, 64), (64, 4, 1)
+    rows = 6 * 16 * 4 if mode == 0 else 3 * 4 * 5
+    plan = value_norms._NormsPlan(None, 1, 64, rows, mode, shape, vs, os_, int(mode == 1), 5,
+                                  16 if mode == 2 else 0, 1, 4)
+    threads = abi.constant("santa_prop", "kNormThreads")
+    plan.packed(None, 0x1000, 0x2000, 0x3000 if mode else 0, np.int64(-7), 0x4000 * (mode == 2),
+                0x5000 * (mode == 2))
+    (grid, block, args, stream), = fake.calls
+    assert grid == (-(-rows // (threads // 32)), 1, 1) and block == (threads, 1, 1)
+    want = abi.kernel("santa_prop", "value_sqnorms_rows").args_of(
+        v=0x1000, dtype=1, D=64, rows=rows, mode=mode, s0=6, s1=16, s2=4, vs0=vs[0], vs1=vs[1],
+        vs2=vs[2], out=0x2000, os0=64, os1=4, os2=1, start=0x3000 if mode else 0,
+        start_int64=int(mode == 1), start0=-7, count=5, kv_indptr=0x4000 * (mode == 2),
+        kv_indices=0x5000 * (mode == 2), page_size=16 if mode == 2 else 0, hnd=1, H=4)
+    assert len(args) == len(want)
+    for got, w in zip(args, want):
+        assert int(np.asarray(got, dtype=w.dtype)) == int(w)
+
+
+def test_gpu_start_argument_needs_no_array_for_an_integer():
+    """An integer start (or a 0-d host array) is the kernel's scalar: nothing is allocated
+    or copied to the device for it."""
+    from stochattn.value_norms import _start_arg
+
+    keep = []
+    assert _start_arg(7, 3, None, None, 0, keep) == (0, 0, 7)
+    assert _start_arg(np.int64(-2), 3, None, None, 0, keep) == (0, 0, -2)
+    assert _start_arg(np.array(5), 3, None, None, 0, keep) == (0, 0, 5)
+    assert keep == []
+    with pytest.raises(ValueError, match="`start`"):
+        _start_arg(2**63, 3, None, None, 0, keep)
+
+
+def test_gpu_paged_strides_are_checked():
+    from stochattn.value_norms import _check_paged_strides
+
+    _check_paged_strides((2**40, 2**28, 64), (64, 4, 1), 4)  # page stride: 64-bit
+    with pytest.raises(ValueError, match="`v`"):
+        _check_paged_strides((2**40, 2**29, 64), (64, 4, 1), 4)
+    with pytest.raises(ValueError, match="`sqnorms`"):
+        _check_paged_strides((64, 4, 1), (2**31, 1, 2**29), 2)

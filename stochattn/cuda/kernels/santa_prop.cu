@@ -998,19 +998,21 @@ santa_prop_budgets(const float* __restrict__ logits, const float* __restrict__ t
 // out's os*. Which rows:
 //   mode 0: all s0 * s1 * s2 of them;
 //   mode 1: append to a contiguous (B, H, N) cache: row r = (b, h, i) of B * H * count,
-//           token start[b] + i (rows outside [0, s2) skipped);
+//           token start_b + i (rows outside [0, s2) skipped);
 //   mode 2: append to a paged cache's pool (page, slot, h) ("NHD", hnd = 0) or
-//           (page, h, slot) (hnd = 1): token start[b] + i of sequence b through the page
+//           (page, h, slot) (hnd = 1): token start_b + i of sequence b through the page
 //           table kv_indptr / kv_indices (kv_rows.cuh's rule, as budget_rows; tokens
 //           outside the sequence's pages skipped).
+// start_b: `start` (B,) read on the device, int32 or (start_int64 = 1) int64; with
+// `start` null, `start0` for every sequence (no array to fill on the host).
 constexpr int kNormThreads = 256;
 __global__ void __launch_bounds__(kNormThreads)
 value_sqnorms_rows(const void* __restrict__ v, int dtype, int D, long long rows, int mode,
                    long long s0, long long s1, long long s2, long long vs0, long long vs1,
                    long long vs2, float* __restrict__ out, long long os0, long long os1,
-                   long long os2, const int* __restrict__ start, int count,
-                   const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices,
-                   int page_size, int hnd, int H) {
+                   long long os2, const void* __restrict__ start, int start_int64,
+                   long long start0, int count, const int* __restrict__ kv_indptr,
+                   const int* __restrict__ kv_indices, int page_size, int hnd, int H) {
   STOCHATTN_PDL_ENTRY();
   const long long r = (long long)blockIdx.x * (kNormThreads / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -1026,7 +1028,11 @@ value_sqnorms_rows(const void* __restrict__ v, int dtype, int D, long long rows,
   } else {
     const long long b = r / ((long long)H * count);
     const long long h = (r / count) % H;
-    const long long tok = (long long)__ldg(start + b) + r % count;
+    long long tok = start0;
+    if (start)
+      tok = start_int64 ? __ldg(static_cast<const long long*>(start) + b)
+                        : (long long)__ldg(static_cast<const int*>(start) + b);
+    tok += r % count;
     if (tok < 0) return;
     if (mode == 1) {
       if (tok >= s2) return;
