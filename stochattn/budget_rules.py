@@ -13,7 +13,7 @@ from statistics import NormalDist
 import numpy as np
 
 __all__ = ["RULES", "NORMS", "CLT_MAX_DELTA", "tail_factor", "student_split", "student_z",
-           "check_options"]
+           "check_options", "check_plan_options"]
 
 RULES = ("chebyshev", "clt")
 NORMS = ("pilot", "oracle", "student")
@@ -81,3 +81,20 @@ def check_options(eps, delta, max_budget, rule, norm, pilot, pilot_share):
     if norm == "student" and pilot < 4:
         raise ValueError(f"`pilot` must be >= 4 with norm='student' (two draw sets, a spread "
                          f"from at least 3 draws), got {pilot}")
+
+
+def check_plan_options(budget, eps, delta, max_budget, rule, norm, pilot, pilot_share):
+    """The plans' error-targeted options (SantaPlan, DoublePPlan): either ``budget`` or
+    ``eps``, ``eps`` with ``delta`` and ``max_budget``, :func:`check_options`, and no
+    ``"oracle"`` norm (a yardstick of the reference). Returns ``(eps, delta, max_budget)``
+    as float, float, int."""
+    if budget is not None:
+        raise ValueError("give either `budget` or `eps` (error-targeted budgets), "
+                         f"not both; got budget={budget!r} and eps={eps!r}")
+    if delta is None or max_budget is None:
+        raise ValueError("`eps` needs `delta` and `max_budget`")
+    check_options(eps, delta, max_budget, rule, norm, pilot, pilot_share)
+    if norm == "oracle":
+        raise ValueError("`budget_norm` must be 'pilot' or 'student' ('oracle' reads "
+                         "all of V: a yardstick of the reference, not an option)")
+    return float(eps), float(delta), int(max_budget)

@@ -590,12 +590,15 @@ def _diagnostics(lens, d) -> Diagnostics:
     return Diagnostics(seq_lens=lens, k_rows_read=d["k_rows_read"], v_rows_read=d["v_rows_read"],
                        clusters_selected=d["clusters_selected"], clusters_exact=d["clusters_exact"],
                        tokens_exact=d["tokens_exact"], estimated_mass=d["estimated_mass"],
-                       true_mass=d["true_mass"])
+                       true_mass=d["true_mass"], budget=d.get("budget"),
+                       budget_capped=d.get("budget_capped"), error_bound=d.get("error_bound"))
 
 
 def doublep_attention(q, k, v=None, seq_lens=None, *, index, p1=0.95, p2=0.7, approx="centroid",
                       budget=None, sampler="systematic", seed=0, offset=0, softmax_scale=None,
-                      check_finite=False, return_diagnostics=False):
+                      check_finite=False, return_diagnostics=False, eps=None, delta=None,
+                      max_budget=None, budget_rule="chebyshev", pilot=64, pilot_share=0.25,
+                      budget_norm="pilot", v_sqnorms=None):
     """Double-P decode: cluster-level top-p, then exact tokens or approximations per cluster.
 
     Stage 1 keeps the shortest set C_p of clusters (by centroid-estimated mass
@@ -640,6 +643,16 @@ def doublep_attention(q, k, v=None, seq_lens=None, *, index, p1=0.95, p2=0.7, ap
         None with ``approx="centroid"``.
     sampler : {"systematic", "stratified", "iid"}
         Sampler of ``approx="sample"``.
+    eps, delta, max_budget, budget_rule, pilot, pilot_share, budget_norm : optional
+        Error-targeted budgets of the sampled variant (``approx="sample"``, ``budget``
+        None), as :func:`~stochattn.santa_attention`'s: each head draws the smallest S with
+        P(|o_hat - o| > eps |o|) <= delta for its C_approx, ``o`` the attention over the
+        selected tokens (the p2 = 1 output; :mod:`stochattn.reference.split_budgets`),
+        capped at ``max_budget``; the pilot draws come from C_approx. The reference (NumPy)
+        only for now: a GPU plan refuses them.
+    v_sqnorms : array (B, Hkv, N), optional
+        ||v_j||^2 per token (:func:`stochattn.value_sqnorms`), read with ``eps``; computed
+        from ``v`` when left out.
     seed, offset : int
         Random stream of ``approx="sample"`` (``0 <= seed < 2**64``, ``0 <= offset < 2**32``).
     softmax_scale : float, optional
@@ -679,9 +692,14 @@ def doublep_attention(q, k, v=None, seq_lens=None, *, index, p1=0.95, p2=0.7, ap
     """
     plan = cached_plan(DoublePPlan, device_of(q=q, k=k, v=v), p1=p1, p2=p2, approx=approx,
                        budget=budget, sampler=sampler, softmax_scale=softmax_scale,
-                       check_finite=check_finite)
+                       check_finite=check_finite, eps=eps, delta=delta, max_budget=max_budget,
+                       budget_rule=budget_rule, pilot=pilot, pilot_share=pilot_share,
+                       budget_norm=budget_norm)
+    call = dict(index=index, seed=seed, offset=offset)
+    if v_sqnorms is not None:
+        call["v_sqnorms"] = v_sqnorms
     return plan.dispatch(q, k, v, seq_lens, val.check_bool("return_diagnostics", return_diagnostics),
-                         dict(index=index, seed=seed, offset=offset))
+                         call)
 
 
 def cluster_topk_attention(q, k, v=None, seq_lens=None, *, index, k_clusters=None, softmax_scale=None,
@@ -752,9 +770,12 @@ class _DecodePlan(AttentionPlan):
         if "index" not in call:
             raise TypeError(f"`{self.function}` needs `index` (a DoublePIndex) in every call")
         index = call.pop("index")
+        v_sqnorms = call.pop("v_sqnorms", None)
+        if v_sqnorms is not None and getattr(self, "eps", None) is None:
+            raise TypeError("`v_sqnorms` is read only with error-targeted budgets (`eps`)")
         seed, offset = self._streams(backend, q, call)
         result = self._decode(backend, q, k, v, seq_lens, diagnose, index, seed, offset, out,
-                              workspace)
+                              workspace, v_sqnorms)
         if self.advance_offset:
             advance(offset)
         return result
@@ -769,7 +790,7 @@ class _DecodePlan(AttentionPlan):
         return []
 
     def _decode(self, backend, q, k, v, seq_lens, diagnose, index, seed, offset, out=None,
-                workspace=None):
+                workspace=None, v_sqnorms=None):
         if backend == "cuda":
             return _decode_cuda(self.function, q, k, v, seq_lens, index, self.softmax_scale,
                                 self.check_finite, diagnose, out=out, workspace=workspace,
@@ -786,7 +807,11 @@ class _DecodePlan(AttentionPlan):
         if self.check_finite:
             val.check_finite(q=q, k=k, v=v)
             index.check_keys(k)  # the index's fingerprint: the cache it was built from
-        result, d = self._reference(q, k, v, lens, index, scale, seed, offset)
+        extra = {}
+        if getattr(self, "eps", None) is not None:
+            from .santa import _reference_sqnorms
+            extra["v_sqnorms"] = _reference_sqnorms(v_sqnorms, shape)
+        result, d = self._reference(q, k, v, lens, index, scale, seed, offset, **extra)
         result = finish(result, q.dtype)
         if not diagnose:
             return result
@@ -814,7 +839,9 @@ class DoublePPlan(_DecodePlan):
     function = "doublep_attention"
 
     def __init__(self, *, p1=0.95, p2=0.7, approx="centroid", budget=None,
-                 sampler="systematic", advance_offset=False, **common):
+                 sampler="systematic", advance_offset=False, eps=None, delta=None,
+                 max_budget=None, budget_rule="chebyshev", pilot=64, pilot_share=0.25,
+                 budget_norm="pilot", **common):
         self.advance_offset = val.check_bool("advance_offset", advance_offset)
         self.p1 = val.check_probability("p1", p1)
         self.p2 = val.check_probability("p2", p2)
@@ -827,7 +854,19 @@ class DoublePPlan(_DecodePlan):
                           stacklevel=2)
             self.p2 = self.p1
         self.approx = val.check_choice("approx", approx, APPROX)
-        if self.approx == "sample":
+        self.eps = self.delta = self.max_budget = None
+        self.budget_rule, self.pilot, self.pilot_share = budget_rule, pilot, pilot_share
+        self.budget_norm = budget_norm
+        if eps is not None:
+            if self.approx != "sample":
+                raise ValueError("error-targeted budgets (`eps`) need approx='sample', got "
+                                 f"{self.approx!r}")
+            from . import budget_rules as _budgets
+
+            self.eps, self.delta, self.max_budget = _budgets.check_plan_options(
+                budget, eps, delta, max_budget, budget_rule, budget_norm, pilot, pilot_share)
+            self.budget = None
+        elif self.approx == "sample":
             if budget is None:
                 raise ValueError("`budget` is required with approx='sample' (an integer >= 1), "
                                  "got None")
@@ -840,8 +879,16 @@ class DoublePPlan(_DecodePlan):
 
     def options(self) -> dict:
         return dict(p1=self.p1, p2=self.p2, approx=self.approx, budget=self.budget,
-                    sampler=self.sampler, advance_offset=self.advance_offset,
-                    **super().options())
+                    sampler=self.sampler, advance_offset=self.advance_offset, eps=self.eps,
+                    delta=self.delta, max_budget=self.max_budget, budget_rule=self.budget_rule,
+                    pilot=self.pilot, pilot_share=self.pilot_share,
+                    budget_norm=self.budget_norm, **super().options())
+
+    def _cuda_missing(self) -> list[str]:
+        if self.eps is not None:
+            return ["error-targeted budgets (`eps`) of Double-P's sampled variant; the "
+                    "reference has them, the GPU kernels not yet"]
+        return []
 
     def _kernel_options(self, seed, offset) -> dict:
         if self.approx == "centroid":
@@ -849,10 +896,15 @@ class DoublePPlan(_DecodePlan):
         return dict(p1=self.p1, p2=self.p2, budget=self.budget, sampler=self.sampler,
                     seed=seed, offset=offset)
 
-    def _reference(self, q, k, v, lens, index, scale, seed, offset):
+    def _reference(self, q, k, v, lens, index, scale, seed, offset, v_sqnorms=None):
+        targeted = {} if self.eps is None else dict(
+            eps=self.eps, delta=self.delta, max_budget=self.max_budget,
+            budget_rule=self.budget_rule, budget_norm=self.budget_norm, pilot=self.pilot,
+            pilot_share=self.pilot_share, v_sqnorms=v_sqnorms)
         return _ref.doublep_attention(q, k, v, lens, index, p1=self.p1, p2=self.p2,
                                       approx=self.approx, budget=self.budget,
-                                      sampler=self.sampler, seed=seed, offset=offset, scale=scale)
+                                      sampler=self.sampler, seed=seed, offset=offset, scale=scale,
+                                      **targeted)
 
 
 class ClusterTopKPlan(_DecodePlan):

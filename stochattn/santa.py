@@ -92,22 +92,13 @@ softmax_scale, check_finite
         else:
             from . import budget_rules as _budgets
 
-            if budget is not None:
-                raise ValueError("give either `budget` or `eps` (error-targeted budgets), "
-                                 f"not both; got budget={budget!r} and eps={eps!r}")
-            if delta is None or max_budget is None:
-                raise ValueError("`eps` needs `delta` and `max_budget`")
-            # One set of rules for both backends (messages name the argument).
-            _budgets.check_options(eps, delta, max_budget, budget_rule, budget_norm, pilot,
-                                   pilot_share)
-            if budget_norm == "oracle":
-                raise ValueError("`budget_norm` must be 'pilot' or 'student' ('oracle' reads "
-                                 "all of V: a yardstick of the reference, not an option)")
+            # One set of rules for both backends and both plans (messages name the argument).
+            self.eps, self.delta, self.max_budget = _budgets.check_plan_options(
+                budget, eps, delta, max_budget, budget_rule, budget_norm, pilot, pilot_share)
             if scores != "exact":
                 raise ValueError("error-targeted budgets (`eps`) need scores='exact', got "
                                  f"{scores!r}")
             self.budget = None
-            self.eps, self.delta, self.max_budget = float(eps), float(delta), int(max_budget)
         self.budget_rule = budget_rule
         self.pilot, self.pilot_share = pilot, pilot_share
         self.budget_norm = budget_norm

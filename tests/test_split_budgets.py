@@ -227,3 +227,50 @@ def test_study_split_is_doublep_target():
                                                delta=0.1, sampler="systematic", seed=0,
                                                max_budget=10**6, rng=np.random.default_rng(0))
     assert n == int(inst["live"].sum()) and sum_s >= n and capped == 0 and F <= n
+
+
+def test_public_doublep_with_eps_is_the_reference():
+    from stochattn import DoublePPlan
+    from stochattn.doublep import doublep_attention as public
+    from stochattn.reference.doublep import doublep_attention
+    q, k, v, lens, index = _doublep_instance(2)
+    opts = dict(p1=0.95, p2=0.5, sampler="systematic", seed=3, offset=1)
+    out, diag = public(q, k, v, lens, index=index, approx="sample", eps=0.2, delta=0.1,
+                       max_budget=500, budget_norm="student", pilot=64, return_diagnostics=True,
+                       **opts)
+    ref, d = doublep_attention(q, k, v, lens, index, approx="sample", budget=None, eps=0.2,
+                               delta=0.1, max_budget=500, budget_norm="student", pilot=64,
+                               scale=0.25, **opts)
+    assert np.array_equal(out, ref.astype(q.dtype))
+    assert np.array_equal(diag.budget, d["budget"]) and (diag.budget > 0).any()
+    assert np.array_equal(diag.budget_capped, d["budget_capped"])
+    assert np.array_equal(diag.error_bound, d["error_bound"])
+    plan = DoublePPlan(approx="sample", eps=0.2, delta=0.1, max_budget=500, p1=0.95, p2=0.5)
+    sq = bd.value_sqnorms(v)
+    a = plan.run(q, k, v, lens, index=index, seed=3, offset=1, v_sqnorms=sq)
+    b = plan.run(q, k, v, lens, index=index, seed=3, offset=1)
+    assert np.array_equal(a, b)
+    assert plan.options()["eps"] == 0.2 and plan.options()["max_budget"] == 500
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(approx="centroid", eps=0.1, delta=0.1, max_budget=10), ValueError, "approx"),
+    (dict(approx="sample", budget=8, eps=0.1, delta=0.1, max_budget=10), ValueError, "either"),
+    (dict(approx="sample", eps=0.1, max_budget=10), ValueError, "delta"),
+    (dict(approx="sample", eps=0.1, delta=0.1, max_budget=10, budget_norm="oracle"),
+     ValueError, "budget_norm"),
+    (dict(approx="sample", eps=-1.0, delta=0.1, max_budget=10), ValueError, "eps"),
+    (dict(approx="sample", eps=0.1, delta=0.1, max_budget=10, device="cuda"),
+     NotImplementedError, "eps"),
+])
+def test_doublep_plan_budget_errors_name_the_argument(kwargs, exc, match):
+    from stochattn import DoublePPlan
+    with pytest.raises(exc, match=match):
+        DoublePPlan(**kwargs)
+
+
+def test_v_sqnorms_without_eps_is_refused():
+    from stochattn.doublep import doublep_attention as public
+    q, k, v, lens, index = _doublep_instance(3)
+    with pytest.raises(TypeError, match="v_sqnorms"):
+        public(q, k, v, lens, index=index, approx="sample", budget=4, v_sqnorms=bd.value_sqnorms(v))
