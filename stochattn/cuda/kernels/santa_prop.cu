@@ -793,7 +793,8 @@ __device__ __forceinline__ BudgetRows budget_rows(const void* cache, int elem_by
   BudgetRows r;
   r.paged = kv_rows<1>(cache, u, b, kvh, Hkv, N);
   r.row_bytes = width * elem_bytes;
-  r.contig = static_cast<const unsigned char*>(cache) + ((long long)b * Hkv + kvh) * N * r.row_bytes;
+  r.contig = static_cast<const unsigned char*>(cache)
+             + ((long long)b * Hkv + kvh) * N * r.row_bytes;
   return r;
 }
 
