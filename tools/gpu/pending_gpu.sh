@@ -25,6 +25,8 @@
 #                                             #   (3c71c0d) paged/contiguous, FlashInfer on the
 #                                             #   combined pool and on K/V views (carry .whl)
 #   bash tools/gpu/pending_gpu.sh paged-capacity  # the Double-P index vs cache capacity test (900f9ba)
+#   bash tools/gpu/pending_gpu.sh budgets-tests   # GPU tests of the budget kernels (review of 2026-12-07:
+#                                             #   KvRows addressing, block_reduce) and of prop
 #   bash tools/gpu/pending_gpu.sh budgets-sanitize  # memcheck of the error-targeted budget kernels
 #   bash tools/gpu/pending_gpu.sh budgets-bench   # benchmarks/bench_budgets.py: the choice's cost
 #                                             #   against fixed-S prop (target <= 5%)
@@ -69,7 +71,7 @@ est() {
     decode-sanitize) echo 120 ;; flash-sanitize) echo 420 ;; flash-tune) echo 240 ;;
     kmeans-patch:*) echo 120 ;; read-floor) echo 60 ;; flash-ncu) echo 150 ;; pdl) echo 180 ;; revisions) echo 200 ;;
     paged-bench) echo 220 ;; paged-capacity) echo 40 ;; budgets-sanitize) echo 150 ;; prefetch-patch) echo 200 ;;
-    budgets-bench) echo 200 ;;
+    budgets-bench) echo 200 ;; budgets-tests) echo 150 ;;
     *) echo 60 ;;
   esac
 }
@@ -179,6 +181,10 @@ case "$1" in
       --no-doublep --calls 20 --out "$out/bench_paged_quick" 2>&1 | tail -14 ;;
   paged-capacity)
     $py tests/gpu/test_paged_doublep.py -k capacity 2>&1 | tail -5 ;;
+  budgets-tests)
+    $py tests/gpu/test_cuda_santa_budgets.py tests/gpu/test_cuda_santa.py \
+      tests/gpu/test_paged_santa_prop.py tests/gpu/test_cuda_doublep_sample.py 2>&1 \
+      | tee "$out/budgets_tests.log" | tail -6 ;;
   budgets-bench)
     python3 -u -m benchmarks.run --routine budgets --out "$out/bench_budgets" 2>&1 | tail -16 ;;
   budgets-sanitize)
@@ -205,7 +211,7 @@ for step in "$@"; do
     gpu-suite|flash-tests|decode-tests|decode-sanitize|flash-sanitize|flash-tune|read-floor) ;;
     flash-ncu|pdl) ;;
     revisions|kmeans-patch:labels|kmeans-patch:both) ;;
-    paged-bench|paged-capacity|budgets-sanitize|prefetch-patch|budgets-bench) ;;
+    paged-bench|paged-capacity|budgets-sanitize|prefetch-patch|budgets-bench|budgets-tests) ;;
     *) echo "unknown step $step (see the header)" >&2; exit 2 ;;
   esac
 done
