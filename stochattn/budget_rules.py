@@ -12,11 +12,14 @@ from statistics import NormalDist
 
 import numpy as np
 
-__all__ = ["RULES", "NORMS", "CLT_MAX_DELTA", "tail_factor", "student_split", "student_z",
+__all__ = ["RULES", "NORMS", "SPLIT_NORMS", "CLT_MAX_DELTA", "tail_factor", "student_split", "student_z",
            "check_options", "check_plan_options"]
 
 RULES = ("chebyshev", "clt")
 NORMS = ("pilot", "oracle", "student")
+# With an exact part (Double-P's sampled variant, reference.split_budgets) also "bound":
+# ||o|| >= ||w_E o_E|| - w_A sqrt(m2_A) from the exact part and the norms alone, no pilot.
+SPLIT_NORMS = NORMS + ("bound",)
 # Szekely-Bakirov: the one-eigenvalue tail is the largest for thresholds x > 1.5364 (times the
 # mean), i.e. delta = P(Z^2 > x) < 0.2148; 0.2 keeps a margin.
 CLT_MAX_DELTA = 0.2
@@ -55,7 +58,7 @@ def student_z(delta_pilot: float) -> float:
     return NormalDist().inv_cdf(1.0 - delta_pilot)
 
 
-def check_options(eps, delta, max_budget, rule, norm, pilot, pilot_share):
+def check_options(eps, delta, max_budget, rule, norm, pilot, pilot_share, norms=NORMS):
     """The options of :func:`choose_budgets` (one set of rules, also for the plans):
     TypeError for types, ValueError for values; messages name the argument."""
     for name, value in (("eps", eps), ("delta", delta), ("pilot_share", pilot_share)):
@@ -76,14 +79,15 @@ def check_options(eps, delta, max_budget, rule, norm, pilot, pilot_share):
         raise ValueError(f"`rule` must be one of {', '.join(map(repr, RULES))}, got {rule!r}")
     if rule == "clt":
         tail_factor(rule, delta)  # delta <= CLT_MAX_DELTA, reported with the caller's delta
-    if norm not in NORMS:
-        raise ValueError(f"`norm` must be one of {', '.join(map(repr, NORMS))}, got {norm!r}")
+    if norm not in norms:
+        raise ValueError(f"`norm` must be one of {', '.join(map(repr, norms))}, got {norm!r}")
     if norm == "student" and pilot < 4:
         raise ValueError(f"`pilot` must be >= 4 with norm='student' (two draw sets, a spread "
                          f"from at least 3 draws), got {pilot}")
 
 
-def check_plan_options(budget, eps, delta, max_budget, rule, norm, pilot, pilot_share):
+def check_plan_options(budget, eps, delta, max_budget, rule, norm, pilot, pilot_share,
+                       norms=NORMS):
     """The plans' error-targeted options (SantaPlan, DoublePPlan): either ``budget`` or
     ``eps``, ``eps`` with ``delta`` and ``max_budget``, :func:`check_options`, and no
     ``"oracle"`` norm (a yardstick of the reference). Returns ``(eps, delta, max_budget)``
@@ -93,7 +97,7 @@ def check_plan_options(budget, eps, delta, max_budget, rule, norm, pilot, pilot_
                          f"not both; got budget={budget!r} and eps={eps!r}")
     if delta is None or max_budget is None:
         raise ValueError("`eps` needs `delta` and `max_budget`")
-    check_options(eps, delta, max_budget, rule, norm, pilot, pilot_share)
+    check_options(eps, delta, max_budget, rule, norm, pilot, pilot_share, norms)
     if norm == "oracle":
         raise ValueError("`budget_norm` must be 'pilot' or 'student' ('oracle' reads "
                          "all of V: a yardstick of the reference, not an option)")

@@ -648,8 +648,9 @@ def doublep_attention(q, k, v=None, seq_lens=None, *, index, p1=0.95, p2=0.7, ap
         None), as :func:`~stochattn.santa_attention`'s: each head draws the smallest S with
         P(|o_hat - o| > eps |o|) <= delta for its C_approx, ``o`` the attention over the
         selected tokens (the p2 = 1 output; :mod:`stochattn.reference.split_budgets`),
-        capped at ``max_budget``; the pilot draws come from C_approx. The reference (NumPy)
-        only for now: a GPU plan refuses them.
+        capped at ``max_budget``; the pilot draws come from C_approx. ``budget_norm``
+        also takes ``"bound"`` here: no pilot, ``|o|`` bounded from the exact part and the
+        norms alone. The reference (NumPy) only for now: a GPU plan refuses them.
     v_sqnorms : array (B, Hkv, N), optional
         ||v_j||^2 per token (:func:`stochattn.value_sqnorms`), read with ``eps``; computed
         from ``v`` when left out.
@@ -864,7 +865,8 @@ class DoublePPlan(_DecodePlan):
             from . import budget_rules as _budgets
 
             self.eps, self.delta, self.max_budget = _budgets.check_plan_options(
-                budget, eps, delta, max_budget, budget_rule, budget_norm, pilot, pilot_share)
+                budget, eps, delta, max_budget, budget_rule, budget_norm, pilot, pilot_share,
+                _budgets.SPLIT_NORMS)
             self.budget = None
         elif self.approx == "sample":
             if budget is None:

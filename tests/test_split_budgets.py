@@ -21,7 +21,9 @@ from stochattn.reference import budgets as bd
 from stochattn.reference.split_budgets import choose_split_budgets
 from test_budgets import ALPHA, DELTAS, EPS, MAX_BUDGET, REPS, Pool, draw_counts
 
-CASES = ([("iid", rule, norm, e, d) for rule in bd.RULES for norm in bd.NORMS
+from stochattn.budget_rules import SPLIT_NORMS  # noqa: E402
+
+CASES = ([("iid", rule, norm, e, d) for rule in bd.RULES for norm in SPLIT_NORMS
           for e in EPS for d in DELTAS]
          + [("stratified", "clt", "oracle", e, d) for e in EPS for d in DELTAS])
 CASE_ALPHA = ALPHA / len(CASES)
@@ -274,3 +276,14 @@ def test_v_sqnorms_without_eps_is_refused():
     q, k, v, lens, index = _doublep_instance(3)
     with pytest.raises(TypeError, match="v_sqnorms"):
         public(q, k, v, lens, index=index, approx="sample", budget=4, v_sqnorms=bd.value_sqnorms(v))
+
+
+def test_bound_norm_is_a_lower_bound_and_needs_no_pilot(split):
+    """Exact: the pilot-free L is <= ||o|| on every head, L = 0 (capped) without an exact
+    part, and no draw is spent on a pilot."""
+    ch = split.choose("clt", "bound", 0.1, 0.1, 0)
+    assert (ch.norm_sq_lower <= split.on2 * (1 + 1e-12)).all() and ch.pilot == 0
+    none = split.w_exact == 0
+    assert (ch.norm_sq_lower[none] == 0).all() and ch.capped[none].all()
+    assert (ch.cost == ch.budget).all()
+    assert (~ch.capped[split.w_exact > 0.9]).any()

@@ -36,6 +36,7 @@ import time
 
 import numpy as np
 
+from ..budget_rules import SPLIT_NORMS
 from ..reference import budgets as bd
 from ..reference.doublep import doublep_attention
 from ..reference.rng import PURPOSE_CLUSTER_SAMPLER
@@ -114,7 +115,7 @@ def layer_failures(inst, *, rule, norm, eps, delta, sampler, seed, max_budget, r
             int((ch.capped & live).sum()), float(wA[live].sum()))
 
 
-def run(traces, *, p1=0.95, p2=0.7, cluster_ratio=16, rules=bd.RULES, norms=bd.NORMS,
+def run(traces, *, p1=0.95, p2=0.7, cluster_ratio=16, rules=bd.RULES, norms=SPLIT_NORMS,
         eps_list=EPS, deltas=DELTAS, samplers=SAMPLERS, calls=2, max_budget=10**6, log=print):
     """Every case over every layer call of ``traces`` (module docstring); rows of a table."""
     cases = [(r, nm, e, d, s) for r in rules for nm in norms for e in eps_list for d in deltas

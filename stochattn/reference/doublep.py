@@ -207,8 +207,9 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
             raise ValueError("`eps`: error-targeted budgets need approx='sample' and budget=None")
         if delta is None or max_budget is None:
             raise ValueError("`eps` needs `delta` and `max_budget`")
-        from ..budget_rules import check_options
-        check_options(eps, delta, max_budget, budget_rule, budget_norm, pilot, pilot_share)
+        from ..budget_rules import SPLIT_NORMS, check_options
+        check_options(eps, delta, max_budget, budget_rule, budget_norm, pilot, pilot_share,
+                      SPLIT_NORMS)
         from .budgets import value_sqnorms
         from .split_budgets import choose_split_budgets
         sqn = value_sqnorms(v) if v_sqnorms is None else np.asarray(v_sqnorms, dtype=np.float64)

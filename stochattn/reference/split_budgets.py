@@ -25,6 +25,10 @@ The bounds, per ``norm`` (the pilot draws come from ``p_A`` on purpose
   the studentised width of :func:`~stochattn.reference.budgets.student_norm_lower`, so
   ``L_A = max(0, t - width)`` bounds ``||o_A|| >= u . o_A`` and
   ``L = max(0, w_E u . o_E + w_A (t - width))`` bounds ``||o|| >= u . o``.
+- ``"bound"`` (no pilot, no draw; only with an exact part): ``||o_A|| <= sqrt(m2_A)``
+  (Jensen), so ``||o|| >= ||w_E o_E|| - w_A sqrt(m2_A) = L`` and ``V_A = m2_A``; all of
+  delta goes to the main draws. Useful where C_exact carries most of the mass (w_A small);
+  L = 0 (S = max_budget, capped) where it does not.
 - ``"oracle"``: the exact ``o_A`` and ``o`` (a yardstick, reads every value of A).
 
 With no exact part (``w_E = 0``) every rule is S²ANTA's (:func:`choose_budgets`): the
@@ -36,7 +40,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..budget_rules import check_options, student_split, student_z, tail_factor
+from ..budget_rules import SPLIT_NORMS, check_options, student_split, student_z, tail_factor
 from ..spec import PURPOSE_BUDGET_PILOT
 from .budgets import (BudgetChoice, budgets_from_variance, philox_uniform, pilot_norm_lower,
                       sampler_counts)
@@ -71,7 +75,7 @@ def choose_split_budgets(wa, va, sq_a, w_exact, o_exact, *, eps, delta, max_budg
     BudgetChoice
         Shapes (R,); ``second_moment`` is m2_A, ``norm_sq_lower`` is L^2.
     """
-    check_options(eps, delta, max_budget, rule, norm, pilot, pilot_share)
+    check_options(eps, delta, max_budget, rule, norm, pilot, pilot_share, SPLIT_NORMS)
     wa = np.asarray(wa, dtype=np.float64)
     va = np.asarray(va, dtype=np.float64)
     R, N = wa.shape
@@ -96,6 +100,12 @@ def choose_split_budgets(wa, va, sq_a, w_exact, o_exact, *, eps, delta, max_budg
         o_a = np.einsum("rn,rnd->rd", pa, va)
         var_a = m2 - norm2(o_a)
         L2 = norm2(we[:, None] * oe + wA[:, None] * o_a)
+    elif norm == "bound":
+        delta_main, delta_pilot, S0 = float(delta), 0.0, 0
+        var_a = m2
+        L = np.where(nonempty, np.clip(np.sqrt(norm2(we[:, None] * oe)) - wA * np.sqrt(m2),
+                                       0.0, None), 0.0)
+        L2 = L * L
     else:
         delta_pilot = float(pilot_share) * float(delta)
         delta_main = float(delta) - delta_pilot
