@@ -244,3 +244,24 @@ def test_index_reads_follow_the_read_cost_rule():
     assert cm.summary_vectors("sub", "tilt", rank=4, n_sub=4) == (4, 4, 5)
     assert cm.summary_vectors("exact", "tilt", rank=4, n_sub=4) == (0, 4, 5)
     assert cm.summary_vectors("pca-clip", "sub", rank=4, n_sub=4) == (5, 4, 4)
+
+
+def test_exact_approx_weights():
+    # With the exact-mass selection the weights were exact already: same output; with the
+    # paper's selection the same clusters are selected, C_approx's keys are read (K only)
+    # and the output moves.
+    q, k, v, lens, index = _instance(seed=7)
+    a, da = _run(q, k, v, lens, index, mass="exact")
+    b, db = _run(q, k, v, lens, index, mass="exact", approx_weight="exact")
+    np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-13)
+    a, da = _run(q, k, v, lens, index, p2=0.5)
+    b, db = _run(q, k, v, lens, index, p2=0.5, approx_weight="exact")
+    for key in ("clusters_selected", "clusters_exact", "tokens_exact", "v_rows_read"):
+        assert np.array_equal(da[key], db[key]), key
+    approx = (da["clusters_selected"] > da["clusters_exact"]).reshape(db["k_rows_read"].shape[0],
+                                                                      db["k_rows_read"].shape[1], -1)
+    assert (db["k_rows_read"] >= da["k_rows_read"]).all()
+    assert (db["k_rows_read"] > da["k_rows_read"])[approx.any(-1)].all()
+    assert not np.allclose(a, b)
+    with pytest.raises(ValueError, match="approx_weight"):
+        _run(q, k, v, lens, index, approx_weight="nope")

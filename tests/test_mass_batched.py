@@ -76,7 +76,8 @@ def _batched_selection(code):
                      np.flatnonzero(code[b, h] == 2).tolist()) for b in range(B) for h in range(Hq)}
 
 
-def _compare(inst, mass, value, p1, p2, alpha=1.0, stats="reference", rtol=1e-9):
+def _compare(inst, mass, value, p1, p2, alpha=1.0, stats="reference", rtol=1e-9,
+             approx_weight="estimate"):
     q, k, v, lens, index = inst
     scale = 0.25
     ref_st = cm.index_stats(k, v, lens, index) if (mass not in ("paper", "exact")
@@ -84,11 +85,12 @@ def _compare(inst, mass, value, p1, p2, alpha=1.0, stats="reference", rtol=1e-9)
     ref_out, ref_d = doublep_attention(q, k, v, lens, index, p1=p1, p2=p2, approx="centroid",
                                        budget=None, sampler="systematic", seed=0, offset=0,
                                        scale=scale, mass=mass, value=value, mass_alpha=alpha,
-                                       mass_stats=ref_st, mass_diagnostics=True)
+                                       mass_stats=ref_st, mass_diagnostics=True,
+                                       approx_weight=approx_weight)
     given = ref_st if stats == "reference" else None
     out, d = mb.doublep_batched(q, k, v, lens, index, p1=p1, p2=p2, scale=scale, mass=mass,
                                 value=value, mass_alpha=alpha, mass_stats=given,
-                                mass_diagnostics=True)
+                                mass_diagnostics=True, approx_weight=approx_weight)
     sel_ref = _reference_selection(q, k, lens, index, mass, scale, p1, p2, ref_st, alpha)
     assert _batched_selection(d["code"]) == sel_ref
     np.testing.assert_allclose(out, ref_out, rtol=rtol, atol=rtol)
@@ -317,3 +319,11 @@ def test_cupy_decode_rows_matches_numpy():
                                 p1=0.95, p2=0.7, scale=0.25)
         np.testing.assert_array_equal(cp.asnumpy(dg["code"]), d["code"])
         np.testing.assert_allclose(cp.asnumpy(og), out, rtol=1e-7, atol=1e-7)
+
+
+@pytest.mark.parametrize("mass,value", [("paper", "mean"), ("paper", "tilt"), ("sub", "tilt")])
+@pytest.mark.parametrize("p1,p2", SETTINGS[:3])
+def test_exact_approx_weights_same_as_reference(mass, value, p1, p2):
+    """approx_weight="exact": the selection is the estimate's, the pseudo-tokens' logits the
+    true log Z_i, and the keys of C_approx count as read (K only)."""
+    _compare(_random(), mass, value, p1, p2, approx_weight="exact")

@@ -453,7 +453,7 @@ def select_batched(xp, lzhat, nonempty, p1, p2):
 
 
 def decode_core(xp, x, lab, lens, ws, n_sink, lzhat, nonempty, vpseudo, mix, p1, p2, *,
-                lz=None, mass_diagnostics=False):
+                lz=None, mass_diagnostics=False, approx_weight="estimate"):
     """The centroid-variant output and diagnostics of every (row, query head).
 
     Parameters
@@ -465,7 +465,8 @@ def decode_core(xp, x, lab, lens, ws, n_sink, lzhat, nonempty, vpseudo, mix, p1,
     lzhat : (B, Hq, C) estimated log masses; nonempty : (B, Hkv, C) bool.
     vpseudo : (B, Hkv, G or 1, C, D) pseudo-token values.
     mix : callable, ``mix(w)`` for token weights w (B, Hq, N) -> (B, Hq, D) ``sum_t w_t v_t``.
-    lz : (B, Hq, C), the exact log masses (needed with ``mass_diagnostics``).
+    lz : (B, Hq, C), the exact log masses (needed with ``mass_diagnostics`` and with
+        ``approx_weight="exact"``: the pseudo-tokens' logits, the reference's option).
 
     Returns
     -------
@@ -485,13 +486,14 @@ def decode_core(xp, x, lab, lens, ws, n_sink, lzhat, nonempty, vpseudo, mix, p1,
     tcode = xp.where(lab4 >= 0, xp.take_along_axis(code, xp.maximum(lab4, 0), axis=-1), 0)
     exact = base | (tcode == 1)
     approx = code == 2
+    lw = lz if approx_weight == "exact" else lzhat   # the pseudo-tokens' logits
     with _errstate(xp):
         me = xp.where(exact, x, -xp.inf).max(-1)
-        ma = xp.where(approx, lzhat, -xp.inf).max(-1)
+        ma = xp.where(approx, lw, -xp.inf).max(-1)
         m = xp.maximum(me, ma)
         m = xp.where(xp.isfinite(m), m, 0.0)[..., None]
         we = xp.where(exact, xp.exp(xp.where(exact, x, 0.0) - m), 0.0)
-        wa = xp.where(approx, xp.exp(xp.where(approx, lzhat, 0.0) - m), 0.0)
+        wa = xp.where(approx, xp.exp(xp.where(approx, lw, 0.0) - m), 0.0)
     wa4 = wa.reshape(B, Hkv, G, 1, C)
     num = mix(we) + xp.matmul(wa4, vpseudo)[..., 0, :].reshape(B, Hq, -1)
     den = (we.sum(-1) + wa.sum(-1))[..., None]
@@ -504,10 +506,12 @@ def decode_core(xp, x, lab, lens, ws, n_sink, lzhat, nonempty, vpseudo, mix, p1,
     true_mass = xp.where(lens[:, None] > 0, (wall * covered).sum(-1)
                          / xp.where(wall.sum(-1) > 0, wall.sum(-1), 1.0), 0.0)
     read = exact.reshape(B, Hkv, G, N).any(2).sum(-1)
+    k_read = read if approx_weight != "exact" else \
+        (exact | (tcode == 2)).reshape(B, Hkv, G, N).any(2).sum(-1)
     lz0 = lens[:, None] > 0
     diag = dict(clusters_selected=n_p, clusters_exact=n_e, tokens_exact=exact.sum(-1),
                 estimated_mass=xp.where(lz0, est, 0.0), true_mass=true_mass,
-                k_rows_read=read, v_rows_read=read, code=code)
+                k_rows_read=k_read, v_rows_read=read, code=code)
     if mass_diagnostics:
         with _errstate(xp):
             mz = xp.where(ne, lz, -xp.inf).max(-1, keepdims=True)
@@ -536,7 +540,7 @@ def _row_labels(xp, labels, ws, n_sink):
 
 def doublep_batched(q, k, v, lens, index, *, p1, p2, scale, mass="paper", value="mean",
                     mass_alpha=1.0, mass_stats=None, mass_rank=4, mass_sub=4,
-                    mass_diagnostics=False, squarings=20, xp=np):
+                    mass_diagnostics=False, squarings=20, xp=np, approx_weight="estimate"):
     """The reference :func:`stochattn.reference.doublep.doublep_attention` (centroid
     variant, ``mass=``, ``value=``) for every (b, query head) at once.
 
@@ -570,7 +574,8 @@ def doublep_batched(q, k, v, lens, index, *, p1, p2, scale, mass="paper", value=
     x = x.transpose(0, 1, 3, 2).reshape(B, Hq, N) * scale
     lab = _row_labels(xp, xp.asarray(index.labels), ws, index.n_sink)
     sizes = xp.asarray(index.sizes)
-    lz = exact_log_mass(xp, x, lab, C) if (mass == "exact" or mass_diagnostics) else None
+    need_lz = mass == "exact" or mass_diagnostics or approx_weight == "exact"
+    lz = exact_log_mass(xp, x, lab, C) if need_lz else None
     lzhat = log_mass_batched(xp, mass, q64, scale=scale, sizes=sizes,
                              centroids=xp.asarray(index.centroids).astype(xp.float64),
                              stats=mass_stats, alpha=mass_alpha, lz=lz)
@@ -582,7 +587,8 @@ def doublep_batched(q, k, v, lens, index, *, p1, p2, scale, mass="paper", value=
         return xp.matmul(w.reshape(B, Hkv, G, N), v64).reshape(B, Hq, D)
 
     out, d = decode_core(xp, x, lab, lens_x, ws, index.n_sink, lzhat, sizes > 0, vp, mix, p1,
-                         p2, lz=lz, mass_diagnostics=mass_diagnostics)
+                         p2, lz=lz, mass_diagnostics=mass_diagnostics,
+                         approx_weight=approx_weight)
     rank = mass_stats.rank if isinstance(mass_stats, cm.ClusterStats) else mass_rank
     n_sub = mass_stats.n_sub if isinstance(mass_stats, cm.ClusterStats) else mass_sub
     return out, index_reads(xp, d, sizes, lens_x, mass, value, rank=rank, n_sub=n_sub)
@@ -760,7 +766,8 @@ def _needed_fields(mass, value):
 
 
 def decode_rows(xp, li, q, k_own, v_own, pos, a, b, *, mass, value, alpha, p1, p2, scale,
-                mass_diagnostics=True, error_acc=None, error_estimators=()):
+                mass_diagnostics=True, error_acc=None, error_estimators=(),
+                approx_weight="estimate"):
     """Double-P with ``mass`` / ``value`` for rows [a, b) of a :class:`LayerIndex`: row i's
     query q[i] (Hq, D) attends over the exact cache below pos[i] and its own key / value
     k_own[i], v_own[i] (Hkv, D) at pos[i]. Returns out (b - a, Hq, D) and diagnostics;
@@ -790,7 +797,8 @@ def decode_rows(xp, li, q, k_own, v_own, pos, a, b, *, mass, value, alpha, p1, p
     for name, _ in error_estimators:
         fields |= _needed_fields(name, "mean")
     st = li.rows(a, b, fields)
-    need_lz = mass == "exact" or mass_diagnostics or error_acc is not None
+    need_lz = (mass == "exact" or mass_diagnostics or error_acc is not None
+               or approx_weight == "exact")
     lz = exact_log_mass(xp, x, lab, C) if need_lz else None
     cent = xp.broadcast_to(li.centroids[None], (Bn,) + li.centroids.shape)
     lzhat = log_mass_batched(xp, mass, q, scale=scale, sizes=sizes, centroids=cent, stats=st,
@@ -807,7 +815,7 @@ def decode_rows(xp, li, q, k_own, v_own, pos, a, b, *, mass, value, alpha, p1, p
         return o.reshape(Bn, Hq, D)
 
     out, d = decode_core(xp, x, lab, lens, ws, li.n_sink, lzhat, sizes > 0, vp, mix, p1, p2,
-                         lz=lz, mass_diagnostics=mass_diagnostics)
+                         lz=lz, mass_diagnostics=mass_diagnostics, approx_weight=approx_weight)
     d = index_reads(xp, d, sizes, lens, mass, value, rank=li.rank, n_sub=li.n_sub)
     if error_acc is not None:
         ne = xp.broadcast_to((sizes > 0)[:, :, None], (Bn, Hkv, G, C)).reshape(Bn, Hq, C)
@@ -909,6 +917,7 @@ def run_play_batched(play, *, n_tokens=8192, stride=4, first=None, configs, seed
                     o, d = decode_rows(
                         xp, lidx, q[a:b], k_own[a:b], v_own[a:b], pos_x, a, b, mass=c["mass"],
                         value=c["value"], alpha=c["alpha"], p1=c["p1"], p2=c["p2"], scale=scale,
+                        approx_weight=c.get("approx_weight", "estimate"),
                         error_acc=err_acc if lab_ == paper_label else None,
                         error_estimators=error_estimators if lab_ == paper_label else ())
                     out[a:b] = o.astype(xp.float32)

@@ -80,11 +80,12 @@ MASSES = (("paper", "mean", 1.0), ("mean", "mean", 1.0), ("diag-var", "mean", 1.
 VALUES = (("sub", "sub", 1.0), ("exact", "tilt", 1.0))
 
 
-def _label(mass, value, alpha, p1, p2, cluster_ratio=16):
+def _label(mass, value, alpha, p1, p2, cluster_ratio=16, approx_weight="estimate"):
     a = "" if alpha == 1.0 else f"-a{alpha:g}"
+    w = "" if approx_weight == "estimate" else f"+w-{approx_weight}"
     v = "" if value == "mean" else f"+v-{value}"
     r = "" if cluster_ratio == 16 else f"-r{cluster_ratio}"
-    return f"{mass}{a}{v}-{p1:g}-{p2:g}{r}"
+    return f"{mass}{a}{w}{v}-{p1:g}-{p2:g}{r}"
 
 
 # The full grid at (0.95, 0.7); at the other settings the estimators that matter
@@ -115,6 +116,11 @@ GRID_8K += [dict(label=_label(m, v, 1.0, p1, p2, r), mass=m, value=v, alpha=1.0,
                                     ("paper", "mean", 8, 0.99, 0.8), ("paper", "tilt", 16, 0.95, 0.7),
                                     ("paper", "tilt", 8, 0.95, 0.7), ("sub", "tilt", 16, 0.99, 0.8),
                                     ("sub", "tilt", 64, 0.95, 0.7), ("sub", "tilt", 64, 0.99, 0.8))]
+# Selection by the estimate, pseudo-token weights exact (the keys of C_approx read, K only:
+# the middle road to the sampled variant, which reads the same keys).
+GRID_8K += [dict(label=_label(m, v, 1.0, 0.95, 0.7, approx_weight="exact"), mass=m, value=v,
+                 alpha=1.0, p1=0.95, p2=0.7, approx_weight="exact")
+            for m, v in (("paper", "mean"), ("paper", "tilt"), ("sub", "tilt"))]
 GRIDS = {"default": CONFIGS, "8k": GRID_8K}
 # Estimators of the per-cluster mass-error table (mass name, alpha).
 ERROR_ESTIMATORS = (("paper", 1.0), ("mean", 1.0), ("diag-var", 1.0), ("pca", 1.0),
@@ -242,7 +248,7 @@ def run_play(play, *, n_tokens=4096, stride=16, first=None, configs=CONFIGS, ran
                     q[a:b], kc, vc, lens, index, p1=c["p1"], p2=c["p2"], approx="centroid",
                     budget=None, sampler="systematic", seed=0, offset=0, scale=scale,
                     mass=c["mass"], value=c["value"], mass_alpha=c["alpha"], mass_stats=stats,
-                    mass_diagnostics=True)
+                    mass_diagnostics=True, approx_weight=c.get("approx_weight", "estimate"))
                 outs[lab][a:b] = out.astype(np.float32)
                 dd = diag[lab]
                 dd["k_read"].append(float((d["k_rows_read"] / lens[:, None]).mean()))
@@ -300,6 +306,7 @@ def combine(plays_res, plays):
                 for k in runs[0]["configs"][lab]["diagnostics"]}
         rows.append(dict(label=lab, mass=c["mass"], value=c["value"], alpha=c["alpha"],
                          p1=c["p1"], p2=c["p2"], cluster_ratio=c.get("cluster_ratio", 16),
+                         approx_weight=c.get("approx_weight", "estimate"),
                          plays=sorted(plays), positions=int(d.size),
                          delta_loss=mean, delta_loss_se=se,
                          delta_loss_ci95=[mean - 1.96 * se, mean + 1.96 * se],
@@ -360,6 +367,8 @@ def markdown_table(rows, err=None):
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         m = r["mass"] + ("" if r["alpha"] == 1.0 else f" (alpha {r['alpha']:g})")
+        if r.get("approx_weight", "estimate") == "exact":
+            m += ", exact C_approx weights"
         lo, hi = r["ppl_change_ci95"]
         lines.append(
             f"| {m} | {r['value']} | prompt / {r.get('cluster_ratio', 16)} | "

@@ -142,7 +142,8 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
                       mass_alpha=1.0, mass_stats=None, mass_rank=4, mass_sub=4,
                       mass_diagnostics=False, eps=None, delta=None, max_budget=None,
                       budget_rule="chebyshev", budget_norm="pilot", pilot=64,
-                      pilot_share=0.25, v_sqnorms=None, token_sets=False):
+                      pilot_share=0.25, v_sqnorms=None, token_sets=False,
+                      approx_weight="estimate"):
     """Double-P decode output (B, Hq, D) float64 and a dict of diagnostics arrays.
 
     ``index`` is a :class:`stochattn.doublep.DoublePIndex` (only its arrays are read).
@@ -165,6 +166,11 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
     - ``value`` (centroid variant): the pseudo-token's value, ``"mean"`` (the index's
       value means, default), ``"tilt"`` (:func:`~.cluster_mass.value_tilt`) or ``"sub"``
       (:func:`~.cluster_mass.value_sub`).
+    - ``approx_weight`` (centroid variant): the pseudo-token's logit, ``"estimate"`` (the
+      selection's log Zhat_i, default) or ``"exact"`` (the cluster's true log Z_i: its keys
+      are read, K only, and counted in ``k_rows_read``); the selection is ``mass``'s either
+      way. The middle road between an estimated mass and the sampled variant, which reads
+      the same keys.
     - Read cost: the diagnostics' ``k_index_rows`` / ``v_index_rows`` (B, Hkv) count the
       index's D-vectors read per KV head (:func:`~.cluster_mass.summary_vectors`: the
       scoring summary of every non-empty cluster, the pseudo-token summary of each cluster
@@ -192,6 +198,8 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
         raise ValueError(f"`mass`: expected one of {_cm.MASS_ESTIMATORS}, got {mass!r}")
     if value not in _cm.VALUE_ESTIMATES:
         raise ValueError(f"`value`: expected one of {_cm.VALUE_ESTIMATES}, got {value!r}")
+    if approx_weight not in ("estimate", "exact"):
+        raise ValueError(f"`approx_weight` must be 'estimate' or 'exact', got {approx_weight!r}")
     needs_stats = mass not in ("paper", "exact") or value != "mean"
     if needs_stats and mass_stats is None:
         mass_stats = _cm.index_stats(k, v, lens, index, rank=mass_rank, n_sub=mass_sub)
@@ -267,6 +275,8 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
             xe = x[exact]
             if approx == "centroid":
                 xa = xbar[order[n_e:n_p]]  # pseudo-token logits log Zhat_i
+                if approx_weight == "exact":  # the true log Z_i from the members' keys
+                    xa = _cm.log_mass_exact(x, offsets, token_ids, approx_ids)
                 m = max(xe.max(initial=-np.inf), xa.max(initial=-np.inf))  # common max shift
                 we, wa = np.exp(xe - m), np.exp(xa - m)
                 if value == "mean":
@@ -279,7 +289,7 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
                 den = we.sum() + wa.sum()
                 approx_tokens = tokens_of(approx_ids, offsets, token_ids)
                 v_extra = np.zeros(0, dtype=np.int64)
-                k_extra = np.zeros(0, dtype=np.int64)
+                k_extra = approx_tokens if approx_weight == "exact" else v_extra
             else:
                 approx_tokens = tokens_of(approx_ids, offsets, token_ids)
                 if sample_order == "position":
