@@ -440,3 +440,37 @@ def test_value_norms_append_contiguous_on_the_device():
     stale = _host_norms(v.astype(np.float16))
     want[2, :, 100:103] = stale[2, :, 100:103]  # not announced for b = 2
     _assert_norms(sq, want)
+
+
+@pytest.mark.parametrize("form", ["int", "int64", "host"])
+def test_value_norms_append_start_forms(form):
+    """An integer start (the kernel's scalar, no array), a device int64 array and a host
+    array recompute the same rows as a device int32 start."""
+    _, _, v = _host_inputs()
+    vd = to_device(v, "float16")
+    sq = value_sqnorms(vd)
+    vd[:, :, 200:202] = -1.5
+    B = v.shape[0]
+    start = {"int": 200, "int64": cupy.full(B, 200, dtype=cupy.int64),
+             "host": np.full(B, 200, dtype=np.int64)}[form]
+    append_value_sqnorms(vd, sq, start, count=2)
+    _assert_norms(sq, _host_norms(to_host64(vd)))
+
+
+def test_value_norms_append_int_start_captures_in_a_graph():
+    """An integer start allocates nothing and copies nothing: the append can be captured,
+    and a replay recomputes the rows of the captured start."""
+    _, _, v = _host_inputs()
+    vd = to_device(v, "float16")
+    sq = value_sqnorms(vd)
+    append_value_sqnorms(vd, sq, 300, count=1)  # warm: compile and plan outside the capture
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        graph_stream = stream
+        graph_stream.begin_capture()
+        append_value_sqnorms(vd, sq, 300, count=1)
+        graph = graph_stream.end_capture()
+    vd[:, :, 300] = 3.0
+    graph.launch(stream)
+    stream.synchronize()
+    _assert_norms(sq, _host_norms(to_host64(vd)))
