@@ -43,10 +43,15 @@
 #
 # Device time counts from the asking to the giving back, starts (a minute or more) and the
 # 30 s warm tail included: give each call BUDGET_S from status's budget_left_s less ~120 s.
-# First in the next session (2026-12-07 left these; carry .whl and benchmarks/results/tmp):
-#   bash tools/gpu/pending_gpu.sh paged-capacity budgets-sanitize paged-bench
-#   bash tools/gpu/pending_gpu.sh budgets-bench prefetch-patch
-# and tools/gpu/run_mass_study_gpu.sh (issue 31 at 8k; its header says what to carry).
+# First in the next session (left by the session of 2026-12-07, which ran budgets-tests,
+# budgets-sanitize, budgets-bench, paged-bench, paged-capacity and one first-use A/B):
+#   bash tools/gpu/pending_gpu.sh prefetch-patch   # the patch's GPU tests, then
+#   bash tools/gpu/first_use_ab.sh; bash tools/gpu/first_use_ab.sh   # repeat the A/B
+#   a timeline of the error-targeted prop chain (nsys, benchmarks/bench_budgets.py's B8/128k
+#     case): where its 1.3-3.1x over fixed S goes (docs/budgets.md)
+#   issue 31: Macbeth and seed 1 at 8k (tools/gpu/run_mass_study_gpu.sh with
+#     FIRST_SEED=1 SEEDS=1 TAG=b, and PLAYS=macbeth SEEDS=1 TAG=c; merge with part a, which
+#     is benchmarks/results/cluster_mass_8192_h100_2026-12-07.json's per_play)
 # The plan before that, three calls back to back (then flash-ncu, pdl and revisions if time
 # is left):
 #   bash tools/gpu/pending_gpu.sh gpu-suite decode-sanitize
