@@ -265,3 +265,29 @@ def test_exact_approx_weights():
     assert not np.allclose(a, b)
     with pytest.raises(ValueError, match="approx_weight"):
         _run(q, k, v, lens, index, approx_weight="nope")
+
+
+def test_sub_near_refines_the_cut_and_shifts_the_rest():
+    rng = np.random.default_rng(3)
+    paper = rng.normal(0, 2, 40)
+    sub = paper + rng.uniform(0, 2, 40)
+    for p1 in (0.5, 0.9, 0.99):
+        order, n_p, _, _ = select_clusters(paper, p1, p1)
+        cp = np.zeros(40, dtype=bool)
+        cp[order[:n_p]] = True
+        r0 = cm.refined_mask(paper, p1, 0.0)
+        assert (r0 >= cp).all() and (r0 == (paper >= paper[cp].min())).all()
+        r3 = cm.refined_mask(paper, p1, 3.0)
+        assert (r3 >= r0).all() and cm.refined_mask(paper, p1, 1e9).all()
+        out = cm.log_mass_refined(paper, sub, r3)
+        gap = (sub - paper)[r3].mean()
+        assert np.array_equal(out[r3], sub[r3])
+        assert np.allclose(out[~r3], paper[~r3] + gap, rtol=0, atol=1e-12)
+    assert cm.refined_mask(np.zeros(0), 0.9).size == 0
+    q, k, v, lens, index = _instance(seed=9)
+    # every cluster refined: "sub-near" is "sub"
+    a, da = _run(q, k, v, lens, index, mass="sub")
+    b, db = _run(q, k, v, lens, index, mass="sub-near", mass_margin=1e9)
+    np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+    nonempty = (index.sizes > 0).sum(-1)
+    assert (db["k_index_rows"] == nonempty * (1 + 4)).all()  # centroid + 4 sub-centroids each

@@ -45,7 +45,7 @@ def _planted(seed=1, B=2, Hkv=2, G=2, N=400, D=16, C=16, window=32):
     return q, k, v, lens, index
 
 
-def _reference_selection(q, k, lens, index, mass, scale, p1, p2, st, alpha):
+def _reference_selection(q, k, lens, index, mass, scale, p1, p2, st, alpha, margin=None):
     """Per (b, h): the set of C_exact and C_approx clusters of the reference."""
     B, Hq, D = q.shape
     Hkv = k.shape[1]
@@ -60,7 +60,8 @@ def _reference_selection(q, k, lens, index, mass, scale, p1, p2, st, alpha):
             x = (np.asarray(k[b, kvh, :L], np.float64) @ qh) * scale
             ids, xbar = cluster_scores(qh, index.centroids[b, kvh], index.sizes[b, kvh], scale)
             if mass != "paper":
-                xbar = cm.log_mass(mass, qh, scale=scale, centroids=None,
+                xbar = cm.log_mass(mass, qh, scale=scale, centroids=index.centroids[b, kvh][ids],
+                                   p1=p1, margin=cm.REFINE_MARGIN if margin is None else margin,
                                    sizes=index.sizes[b, kvh][ids],
                                    stats=cm.stats_at(st, b, kvh, ids) if st is not None else None,
                                    alpha=alpha, x=x, offsets=offsets[b, kvh],
@@ -77,7 +78,7 @@ def _batched_selection(code):
 
 
 def _compare(inst, mass, value, p1, p2, alpha=1.0, stats="reference", rtol=1e-9,
-             approx_weight="estimate"):
+             approx_weight="estimate", margin=None):
     q, k, v, lens, index = inst
     scale = 0.25
     ref_st = cm.index_stats(k, v, lens, index) if (mass not in ("paper", "exact")
@@ -86,12 +87,13 @@ def _compare(inst, mass, value, p1, p2, alpha=1.0, stats="reference", rtol=1e-9,
                                        budget=None, sampler="systematic", seed=0, offset=0,
                                        scale=scale, mass=mass, value=value, mass_alpha=alpha,
                                        mass_stats=ref_st, mass_diagnostics=True,
-                                       approx_weight=approx_weight)
+                                       approx_weight=approx_weight, mass_margin=margin)
     given = ref_st if stats == "reference" else None
     out, d = mb.doublep_batched(q, k, v, lens, index, p1=p1, p2=p2, scale=scale, mass=mass,
                                 value=value, mass_alpha=alpha, mass_stats=given,
-                                mass_diagnostics=True, approx_weight=approx_weight)
-    sel_ref = _reference_selection(q, k, lens, index, mass, scale, p1, p2, ref_st, alpha)
+                                mass_diagnostics=True, approx_weight=approx_weight,
+                                mass_margin=margin)
+    sel_ref = _reference_selection(q, k, lens, index, mass, scale, p1, p2, ref_st, alpha, margin)
     assert _batched_selection(d["code"]) == sel_ref
     np.testing.assert_allclose(out, ref_out, rtol=rtol, atol=rtol)
     for key in ("clusters_selected", "clusters_exact", "tokens_exact", "k_rows_read",
@@ -327,3 +329,11 @@ def test_exact_approx_weights_same_as_reference(mass, value, p1, p2):
     """approx_weight="exact": the selection is the estimate's, the pseudo-tokens' logits the
     true log Z_i, and the keys of C_approx count as read (K only)."""
     _compare(_random(), mass, value, p1, p2, approx_weight="exact")
+
+
+@pytest.mark.parametrize("margin", [0.0, 1.5, 3.0, 50.0])
+@pytest.mark.parametrize("p1,p2", SETTINGS[:3])
+def test_sub_near_same_as_reference(margin, p1, p2):
+    """mass="sub-near": the same selection, output and reads (the refined clusters'
+    sub-centroids counted) as the reference."""
+    _compare(_random(), "sub-near", "mean", p1, p2, margin=margin)

@@ -335,8 +335,17 @@ def _sub_logits(xp, qg, st, scale):
                         + xp.log(xp.maximum(t, 1)), -xp.inf)
 
 
+def refined_batched(xp, paper, nonempty, p1, margin):
+    """:func:`~stochattn.reference.cluster_mass.refined_mask` for every (b, query head):
+    paper (B, Hq, C) the paper scores, nonempty (B, Hq, C) -> (B, Hq, C) bool."""
+    code = select_batched(xp, paper, nonempty, p1, p1)[0]
+    with _errstate(xp):
+        t = xp.where(code > 0, paper, xp.inf).min(-1, keepdims=True)
+    return nonempty & (paper >= t - margin)
+
+
 def log_mass_batched(xp, name, q, *, scale, sizes, centroids=None, stats=None, alpha=1.0,
-                     lz=None):
+                     lz=None, p1=None, margin=cm.REFINE_MARGIN):
     """log Zhat (B, Hq, C) by estimator ``name`` for every cluster (meaningless where
     ``sizes == 0``): q (B, Hq, D); sizes (B, Hkv, C); centroids (B, Hkv, C, D) for
     "paper"; ``stats`` (fields with leading (B, Hkv, C)) for the others; ``lz`` (the
@@ -347,6 +356,14 @@ def log_mass_batched(xp, name, q, *, scale, sizes, centroids=None, stats=None, a
     G = Hq // Hkv
     if name == "exact":
         return lz
+    if name == "sub-near":
+        paper = log_mass_batched(xp, "paper", q, scale=scale, sizes=sizes, centroids=centroids)
+        sub = log_mass_batched(xp, "sub", q, scale=scale, sizes=sizes, stats=stats)
+        ne = xp.broadcast_to((sizes > 0)[:, :, None], (B, Hkv, G, sizes.shape[-1]))
+        ref = refined_batched(xp, paper, ne.reshape(B, Hq, -1), p1, margin)
+        n_ref = ref.sum(-1, keepdims=True)
+        gap = xp.where(ref, sub - paper, 0.0).sum(-1, keepdims=True) / xp.maximum(n_ref, 1)
+        return xp.where(ref, sub, paper + gap)
     qg = q.reshape(B, Hkv, G, D)
     with _errstate(xp):
         logs = xp.log(sizes.astype(xp.float64))[:, :, None]        # (B, Hkv, 1, C)
@@ -540,7 +557,8 @@ def _row_labels(xp, labels, ws, n_sink):
 
 def doublep_batched(q, k, v, lens, index, *, p1, p2, scale, mass="paper", value="mean",
                     mass_alpha=1.0, mass_stats=None, mass_rank=4, mass_sub=4,
-                    mass_diagnostics=False, squarings=20, xp=np, approx_weight="estimate"):
+                    mass_diagnostics=False, squarings=20, xp=np, approx_weight="estimate",
+                    mass_margin=None):
     """The reference :func:`stochattn.reference.doublep.doublep_attention` (centroid
     variant, ``mass=``, ``value=``) for every (b, query head) at once.
 
@@ -559,6 +577,7 @@ def doublep_batched(q, k, v, lens, index, *, p1, p2, scale, mass="paper", value=
     Hkv, N = k.shape[1], k.shape[2]
     G = Hq // Hkv
     C = index.sizes.shape[-1]
+    margin = cm.REFINE_MARGIN if mass_margin is None else float(mass_margin)
     needs_stats = mass not in ("paper", "exact") or value != "mean"
     if needs_stats and mass_stats is None:
         mass_stats = index_stats_batched(xp, k, v, lens, index, rank=mass_rank, n_sub=mass_sub,
@@ -576,9 +595,9 @@ def doublep_batched(q, k, v, lens, index, *, p1, p2, scale, mass="paper", value=
     sizes = xp.asarray(index.sizes)
     need_lz = mass == "exact" or mass_diagnostics or approx_weight == "exact"
     lz = exact_log_mass(xp, x, lab, C) if need_lz else None
-    lzhat = log_mass_batched(xp, mass, q64, scale=scale, sizes=sizes,
-                             centroids=xp.asarray(index.centroids).astype(xp.float64),
-                             stats=mass_stats, alpha=mass_alpha, lz=lz)
+    cent = xp.asarray(index.centroids).astype(xp.float64)
+    lzhat = log_mass_batched(xp, mass, q64, scale=scale, sizes=sizes, centroids=cent,
+                             stats=mass_stats, alpha=mass_alpha, lz=lz, p1=p1, margin=margin)
     vmeans = xp.asarray(np.asarray(index.value_means))
     vp = value_batched(xp, value, q64, scale=scale, value_means=vmeans, stats=mass_stats,
                        alpha=mass_alpha)
@@ -591,10 +610,23 @@ def doublep_batched(q, k, v, lens, index, *, p1, p2, scale, mass="paper", value=
                          approx_weight=approx_weight)
     rank = mass_stats.rank if isinstance(mass_stats, cm.ClusterStats) else mass_rank
     n_sub = mass_stats.n_sub if isinstance(mass_stats, cm.ClusterStats) else mass_sub
-    return out, index_reads(xp, d, sizes, lens_x, mass, value, rank=rank, n_sub=n_sub)
+    refined = _refined_for_reads(xp, mass, q64, scale, sizes, cent, p1, margin)
+    return out, index_reads(xp, d, sizes, lens_x, mass, value, rank=rank, n_sub=n_sub,
+                            refined=refined)
 
 
-def index_reads(xp, d, sizes, lens, mass, value, *, rank, n_sub):
+def _refined_for_reads(xp, mass, q, scale, sizes, centroids, p1, margin):
+    """"sub-near"'s refined clusters (B, Hq, C), for :func:`index_reads`; None otherwise."""
+    if mass != "sub-near":
+        return None
+    B, Hq, _ = q.shape
+    Hkv, C = sizes.shape[1], sizes.shape[-1]
+    paper = log_mass_batched(xp, "paper", q, scale=scale, sizes=sizes, centroids=centroids)
+    ne = xp.broadcast_to((sizes > 0)[:, :, None], (B, Hkv, Hq // Hkv, C)).reshape(B, Hq, C)
+    return refined_batched(xp, paper, ne, p1, margin)
+
+
+def index_reads(xp, d, sizes, lens, mass, value, *, rank, n_sub, refined=None):
     """Add the reference's ``k_index_rows`` / ``v_index_rows`` (B, Hkv) to the diagnostics
     ``d`` of :func:`decode_core` (``sizes`` (B, Hkv, C) the cluster sizes, ``lens`` (B,)):
     :func:`~stochattn.reference.cluster_mass.summary_vectors` per non-empty cluster and per
@@ -603,6 +635,8 @@ def index_reads(xp, d, sizes, lens, mass, value, *, rank, n_sub):
     B, Hkv, C = sizes.shape
     n_approx = (d["code"] == 2).reshape(B, Hkv, -1, C).any(2).sum(-1)
     d["k_index_rows"] = (sizes > 0).sum(-1) * k_every + n_approx * k_approx
+    if refined is not None:  # "sub-near": the refined clusters' sub-centroids
+        d["k_index_rows"] = d["k_index_rows"] + refined.reshape(B, Hkv, -1, C).any(2).sum(-1) * n_sub
     d["v_index_rows"] = n_approx * v_approx
     if mass == "exact":
         d["k_index_rows"] = lens.reshape(B, 1) - d["k_rows_read"]
@@ -756,7 +790,7 @@ def _needed_fields(mass, value):
     f = set()
     if mass in ("mean", "diag-var", "pca", "pca-clip", "bennett"):
         f |= {"mean", "var", "basis", "eig", "rest", "radius", "proj_max", "perp_radius"}
-    if mass == "sub" or value == "sub":
+    if mass in ("sub", "sub-near") or value == "sub":
         f |= {"sub_sizes", "sub_means"}
     if value == "sub":
         f.add("sub_values")
@@ -767,7 +801,7 @@ def _needed_fields(mass, value):
 
 def decode_rows(xp, li, q, k_own, v_own, pos, a, b, *, mass, value, alpha, p1, p2, scale,
                 mass_diagnostics=True, error_acc=None, error_estimators=(),
-                approx_weight="estimate"):
+                approx_weight="estimate", margin=cm.REFINE_MARGIN):
     """Double-P with ``mass`` / ``value`` for rows [a, b) of a :class:`LayerIndex`: row i's
     query q[i] (Hq, D) attends over the exact cache below pos[i] and its own key / value
     k_own[i], v_own[i] (Hkv, D) at pos[i]. Returns out (b - a, Hq, D) and diagnostics;
@@ -802,7 +836,7 @@ def decode_rows(xp, li, q, k_own, v_own, pos, a, b, *, mass, value, alpha, p1, p
     lz = exact_log_mass(xp, x, lab, C) if need_lz else None
     cent = xp.broadcast_to(li.centroids[None], (Bn,) + li.centroids.shape)
     lzhat = log_mass_batched(xp, mass, q, scale=scale, sizes=sizes, centroids=cent, stats=st,
-                             alpha=alpha, lz=lz)
+                             alpha=alpha, lz=lz, p1=p1, margin=margin)
     vp = value_batched(xp, value, q, scale=scale, value_means=st["vmean"], stats=st, alpha=alpha)
     Vn = V[:, :n]
 
@@ -816,7 +850,8 @@ def decode_rows(xp, li, q, k_own, v_own, pos, a, b, *, mass, value, alpha, p1, p
 
     out, d = decode_core(xp, x, lab, lens, ws, li.n_sink, lzhat, sizes > 0, vp, mix, p1, p2,
                          lz=lz, mass_diagnostics=mass_diagnostics, approx_weight=approx_weight)
-    d = index_reads(xp, d, sizes, lens, mass, value, rank=li.rank, n_sub=li.n_sub)
+    d = index_reads(xp, d, sizes, lens, mass, value, rank=li.rank, n_sub=li.n_sub,
+                    refined=_refined_for_reads(xp, mass, q, scale, sizes, cent, p1, margin))
     if error_acc is not None:
         ne = xp.broadcast_to((sizes > 0)[:, :, None], (Bn, Hkv, G, C)).reshape(Bn, Hq, C)
         has = ne.any(-1)
@@ -918,6 +953,7 @@ def run_play_batched(play, *, n_tokens=8192, stride=4, first=None, configs, seed
                         xp, lidx, q[a:b], k_own[a:b], v_own[a:b], pos_x, a, b, mass=c["mass"],
                         value=c["value"], alpha=c["alpha"], p1=c["p1"], p2=c["p2"], scale=scale,
                         approx_weight=c.get("approx_weight", "estimate"),
+                        margin=c.get("margin", cm.REFINE_MARGIN),
                         error_acc=err_acc if lab_ == paper_label else None,
                         error_estimators=error_estimators if lab_ == paper_label else ())
                     out[a:b] = o.astype(xp.float32)

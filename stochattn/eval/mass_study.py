@@ -80,8 +80,10 @@ MASSES = (("paper", "mean", 1.0), ("mean", "mean", 1.0), ("diag-var", "mean", 1.
 VALUES = (("sub", "sub", 1.0), ("exact", "tilt", 1.0))
 
 
-def _label(mass, value, alpha, p1, p2, cluster_ratio=16, approx_weight="estimate"):
+def _label(mass, value, alpha, p1, p2, cluster_ratio=16, approx_weight="estimate",
+           margin=cm.REFINE_MARGIN):
     a = "" if alpha == 1.0 else f"-a{alpha:g}"
+    a += "" if margin == cm.REFINE_MARGIN else f"-m{margin:g}"
     w = "" if approx_weight == "estimate" else f"+w-{approx_weight}"
     v = "" if value == "mean" else f"+v-{value}"
     r = "" if cluster_ratio == 16 else f"-r{cluster_ratio}"
@@ -121,6 +123,12 @@ GRID_8K += [dict(label=_label(m, v, 1.0, p1, p2, r), mass=m, value=v, alpha=1.0,
 GRID_8K += [dict(label=_label(m, v, 1.0, 0.95, 0.7, approx_weight="exact"), mass=m, value=v,
                  alpha=1.0, p1=0.95, p2=0.7, approx_weight="exact")
             for m, v in (("paper", "mean"), ("paper", "tilt"), ("sub", "tilt"))]
+# "sub-near": sub-centroids read only for the clusters near stage 1's cut (margin in nats;
+# 3 the default, 2 and 4 to tune on the tuning plays).
+GRID_8K += [dict(label=_label("sub-near", "mean", 1.0, p1, p2, margin=mg), mass="sub-near",
+                 value="mean", alpha=1.0, p1=p1, p2=p2, margin=mg)
+            for p1, p2, mg in ((0.95, 0.7, 3.0), (0.95, 0.7, 2.0), (0.95, 0.7, 4.0),
+                               (0.99, 0.8, 3.0))]
 GRIDS = {"default": CONFIGS, "8k": GRID_8K}
 # Estimators of the per-cluster mass-error table (mass name, alpha).
 ERROR_ESTIMATORS = (("paper", 1.0), ("mean", 1.0), ("diag-var", 1.0), ("pca", 1.0),
@@ -248,7 +256,8 @@ def run_play(play, *, n_tokens=4096, stride=16, first=None, configs=CONFIGS, ran
                     q[a:b], kc, vc, lens, index, p1=c["p1"], p2=c["p2"], approx="centroid",
                     budget=None, sampler="systematic", seed=0, offset=0, scale=scale,
                     mass=c["mass"], value=c["value"], mass_alpha=c["alpha"], mass_stats=stats,
-                    mass_diagnostics=True, approx_weight=c.get("approx_weight", "estimate"))
+                    mass_diagnostics=True, approx_weight=c.get("approx_weight", "estimate"),
+                    mass_margin=c.get("margin"))
                 outs[lab][a:b] = out.astype(np.float32)
                 dd = diag[lab]
                 dd["k_read"].append(float((d["k_rows_read"] / lens[:, None]).mean()))

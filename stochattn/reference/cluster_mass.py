@@ -41,10 +41,14 @@ import numpy as np
 __all__ = ["MASS_ESTIMATORS", "VALUE_ESTIMATES", "ClusterStats", "member_stats", "index_stats",
            "cluster_member_stats", "stats_at", "log_mass", "log_mass_paper", "log_mass_mean", "log_mass_diag_var",
            "log_mass_pca", "log_mass_clipped", "log_mass_bennett", "log_mass_subcentroid",
-           "log_mass_exact", "value_tilt", "value_sub", "summary_vectors"]
+           "log_mass_exact", "value_tilt", "value_sub", "summary_vectors", "refined_mask",
+           "log_mass_refined"]
 
 #: Names accepted by :func:`log_mass` (and by the reference Double-P's ``mass=``).
-MASS_ESTIMATORS = ("paper", "mean", "diag-var", "pca", "pca-clip", "bennett", "sub", "exact")
+MASS_ESTIMATORS = ("paper", "mean", "diag-var", "pca", "pca-clip", "bennett", "sub", "exact",
+                   "sub-near")
+#: The default margin (nats) of "sub-near" (:func:`refined_mask`).
+REFINE_MARGIN = 3.0
 #: Names accepted by the reference Double-P's ``value=`` (centroid variant).
 VALUE_ESTIMATES = ("mean", "tilt", "sub")
 
@@ -332,13 +336,38 @@ def log_mass_exact(x, offsets, token_ids, ids):
     return mx + np.log(np.bincount(seg, weights=np.exp(xs - mx[seg]), minlength=ids.size))
 
 
+def refined_mask(paper, p1, margin=REFINE_MARGIN):
+    """The clusters "sub-near" refines: stage 1 on the paper scores ``paper`` (1-D, the
+    non-empty clusters) gives C_p; t is the smallest paper score in it; the clusters whose
+    paper score is at least ``t - margin`` are refined (all of C_p and the near misses)."""
+    from .doublep import select_clusters  # doublep imports this module inside functions only
+
+    paper = np.asarray(paper, dtype=np.float64)
+    if paper.size == 0:
+        return np.zeros(0, dtype=bool)
+    order, n_p, _, _ = select_clusters(paper, p1, p1)
+    t = paper[order[:n_p]].min()
+    return paper >= t - margin
+
+
+def log_mass_refined(paper, sub, refined):
+    """"sub-near": the sub-centroid estimate ``sub`` where ``refined``; elsewhere the paper
+    score shifted by the mean gap ``sub - paper`` of the refined clusters (the Jensen gap
+    that paper leaves on the clusters it does not read again). Only the refined clusters'
+    sub-centroids are read: ``refined.sum() * n_sub`` vectors on top of the centroids."""
+    paper, sub = np.asarray(paper, dtype=np.float64), np.asarray(sub, dtype=np.float64)
+    gap = float((sub - paper)[refined].mean()) if refined.any() else 0.0
+    return np.where(refined, sub, paper + gap)
+
+
 def log_mass(name, q, *, scale, centroids, sizes, stats=None, alpha=1.0, x=None,
-             offsets=None, token_ids=None, ids=None):
+             offsets=None, token_ids=None, ids=None, p1=None, margin=REFINE_MARGIN):
     """log Zhat of the clusters given (non-empty ones) by estimator ``name``
     (:data:`MASS_ESTIMATORS`): "paper" needs ``centroids``; "exact" needs the exact logits
     ``x`` and the CSR (``offsets``, ``token_ids``) with the cluster ``ids``; the others
-    need ``stats`` (a :class:`ClusterStats` over the same clusters). ``alpha`` scales the
-    quadratic correction of "diag-var", "pca" and "pca-clip"."""
+    need ``stats`` (a :class:`ClusterStats` over the same clusters); "sub-near" needs
+    ``centroids``, ``stats``, stage 1's ``p1`` and ``margin`` (:func:`refined_mask`).
+    ``alpha`` scales the quadratic correction of "diag-var", "pca" and "pca-clip"."""
     if name == "paper":
         return log_mass_paper(q, centroids, sizes, scale)
     if name == "exact":
@@ -355,6 +384,10 @@ def log_mass(name, q, *, scale, centroids, sizes, stats=None, alpha=1.0, x=None,
         return log_mass_bennett(q, stats, sizes, scale)
     if name == "sub":
         return log_mass_subcentroid(q, stats, scale)
+    if name == "sub-near":
+        paper = log_mass_paper(q, centroids, sizes, scale)
+        return log_mass_refined(paper, log_mass_subcentroid(q, stats, scale),
+                                refined_mask(paper, p1, margin))
     raise ValueError(f"`mass`: expected one of {MASS_ESTIMATORS}, got {name!r}")
 
 
@@ -374,8 +407,10 @@ def summary_vectors(mass, value, *, rank=4, n_sub=4):
         raise ValueError(f"`mass`: expected one of {MASS_ESTIMATORS}, got {mass!r}")
     if value not in VALUE_ESTIMATES:
         raise ValueError(f"`value`: expected one of {VALUE_ESTIMATES}, got {value!r}")
+    # "sub-near": the centroid of every cluster here; ``n_sub`` more per refined cluster are
+    # the callers' (they know how many were refined).
     k_every = {"paper": 1, "mean": 1, "diag-var": 2, "pca": 1 + rank, "pca-clip": 1 + rank,
-               "bennett": 1, "sub": n_sub, "exact": 0}[mass]
+               "bennett": 1, "sub": n_sub, "exact": 0, "sub-near": 1}[mass]
     has_basis = mass in ("pca", "pca-clip")
     if value == "mean":
         return k_every, 0, 1

@@ -143,7 +143,7 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
                       mass_diagnostics=False, eps=None, delta=None, max_budget=None,
                       budget_rule="chebyshev", budget_norm="pilot", pilot=64,
                       pilot_share=0.25, v_sqnorms=None, token_sets=False,
-                      approx_weight="estimate"):
+                      approx_weight="estimate", mass_margin=None):
     """Double-P decode output (B, Hq, D) float64 and a dict of diagnostics arrays.
 
     ``index`` is a :class:`stochattn.doublep.DoublePIndex` (only its arrays are read).
@@ -166,6 +166,10 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
     - ``value`` (centroid variant): the pseudo-token's value, ``"mean"`` (the index's
       value means, default), ``"tilt"`` (:func:`~.cluster_mass.value_tilt`) or ``"sub"``
       (:func:`~.cluster_mass.value_sub`).
+    - ``mass="sub-near"``: sub-centroids only for the clusters near stage 1's cut
+      (:func:`~.cluster_mass.refined_mask`, ``mass_margin`` nats, default
+      :data:`~.cluster_mass.REFINE_MARGIN`), the rest shifted by their mean gap; the
+      refined clusters' sub-centroids count in ``k_index_rows``.
     - ``approx_weight`` (centroid variant): the pseudo-token's logit, ``"estimate"`` (the
       selection's log Zhat_i, default) or ``"exact"`` (the cluster's true log Z_i: its keys
       are read, K only, and counted in ``k_rows_read``); the selection is ``mass``'s either
@@ -200,6 +204,7 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
         raise ValueError(f"`value`: expected one of {_cm.VALUE_ESTIMATES}, got {value!r}")
     if approx_weight not in ("estimate", "exact"):
         raise ValueError(f"`approx_weight` must be 'estimate' or 'exact', got {approx_weight!r}")
+    margin = _cm.REFINE_MARGIN if mass_margin is None else float(mass_margin)
     needs_stats = mass not in ("paper", "exact") or value != "mean"
     if needs_stats and mass_stats is None:
         mass_stats = _cm.index_stats(k, v, lens, index, rank=mass_rank, n_sub=mass_sub)
@@ -247,12 +252,18 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
         sizes = index.sizes[b, kvh]
         means = value_means[b, kvh]
         approx_any = np.zeros(sizes.shape[0], dtype=bool)  # approximated by a head of the group
+        refined_any = np.zeros(sizes.shape[0], dtype=bool)  # "sub-near": refined by one
         for g in range(G):
             h = kvh * G + g
             x = (K @ q64[b, h]) * scale  # exact logits of the whole sequence, (L,)
             ids, xbar = cluster_scores(q64[b, h], index.centroids[b, kvh], sizes, scale)
             st = _cm.stats_at(mass_stats, b, kvh, ids) if needs_stats else None
-            if mass != "paper":
+            if mass == "sub-near":
+                refined = _cm.refined_mask(xbar, p1, margin)
+                refined_any[ids[refined]] = True
+                xbar = _cm.log_mass_refined(xbar, _cm.log_mass_subcentroid(q64[b, h], st, scale),
+                                            refined)
+            elif mass != "paper":
                 xbar = _cm.log_mass(mass, q64[b, h], scale=scale, centroids=None,
                                     sizes=sizes[ids], stats=st, alpha=mass_alpha, x=x,
                                     offsets=offsets, token_ids=token_ids, ids=ids)
@@ -341,7 +352,8 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
             diag["v_read"][b, h, exact] = True
             diag["v_read"][b, h, v_extra] = True
         n_approx = int(approx_any.sum())
-        diag["k_index_rows"][b, kvh] = int((sizes > 0).sum()) * k_every + n_approx * k_approx
+        diag["k_index_rows"][b, kvh] = (int((sizes > 0).sum()) * k_every + n_approx * k_approx
+                                        + int(refined_any.sum()) * n_sub)
         diag["v_index_rows"][b, kvh] = n_approx * v_approx
     if targeted:  # (B, Hq, max S), -1 after a head's S draws
         width = max([p.size for p in picks_of.values()], default=0)
