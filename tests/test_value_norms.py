@@ -120,17 +120,7 @@ def test_append_checks_arguments():
 # ---- the GPU launch's host half (no GPU: a fake launcher) --------------------------------
 
 
-class _FakeLauncher:
-    """A Launcher without a driver function: Packed falls back to calling it."""
-
-    fn = None
-    smem = 0
-
-    def __init__(self):
-        self.calls = []
-
-    def __call__(self, grid, block, args, stream=None):
-        self.calls.append((grid, block, args, stream))
+from test_packed_launch import _FakeLauncher  # noqa: E402  (one fake Launcher for the tests)
 
 
 @pytest.mark.parametrize("mode", [0, 1, 2])
