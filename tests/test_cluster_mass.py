@@ -46,7 +46,7 @@ def _run(q, k, v, lens, index, **kw):
 def test_identical_keys_every_estimator_is_exact(name):
     # Dyadic keys and query: every dot product and mean is exact in float64, whatever the
     # summation order, so the estimate must equal the true log-mass bit for bit.
-    s, D = 7, 8
+    s = 7
     key = np.array([1, -2, 0.5, 3, 0, -1, 2, 0.25])
     X = np.tile(key, (s, 1))
     q = np.array([0.5, 1, -1, 2, 0.125, 1, -0.5, 1])
