@@ -765,6 +765,7 @@ class _DecodePlan(AttentionPlan):
 
 
     advance_offset = False
+    eps = None  # error-targeted budgets (DoublePPlan's sampled variant only)
 
     def _run(self, backend, q, k, v, seq_lens, diagnose, call):
         out, workspace = self._buffers(call)
@@ -772,7 +773,7 @@ class _DecodePlan(AttentionPlan):
             raise TypeError(f"`{self.function}` needs `index` (a DoublePIndex) in every call")
         index = call.pop("index")
         v_sqnorms = call.pop("v_sqnorms", None)
-        if v_sqnorms is not None and getattr(self, "eps", None) is None:
+        if v_sqnorms is not None and self.eps is None:
             raise TypeError("`v_sqnorms` is read only with error-targeted budgets (`eps`)")
         seed, offset = self._streams(backend, q, call)
         result = self._decode(backend, q, k, v, seq_lens, diagnose, index, seed, offset, out,
@@ -809,7 +810,7 @@ class _DecodePlan(AttentionPlan):
             val.check_finite(q=q, k=k, v=v)
             index.check_keys(k)  # the index's fingerprint: the cache it was built from
         extra = {}
-        if getattr(self, "eps", None) is not None:
+        if self.eps is not None:
             from .santa import _reference_sqnorms
             extra["v_sqnorms"] = _reference_sqnorms(v_sqnorms, shape)
         result, d = self._reference(q, k, v, lens, index, scale, seed, offset, **extra)

@@ -344,6 +344,29 @@ def refined_batched(xp, paper, nonempty, p1, margin):
     return nonempty & (paper >= t - margin)
 
 
+def sub_near_batched(xp, q, *, scale, sizes, centroids, stats, p1, margin):
+    """"sub-near" (:func:`~stochattn.reference.cluster_mass.log_mass_refined`) for every
+    (b, query head): ``(log Zhat, refined)``, both (B, Hq, C)."""
+    B, Hq, _ = q.shape
+    Hkv, C = sizes.shape[1], sizes.shape[-1]
+    paper = log_mass_batched(xp, "paper", q, scale=scale, sizes=sizes, centroids=centroids)
+    sub = log_mass_batched(xp, "sub", q, scale=scale, sizes=sizes, stats=stats)
+    ne = xp.broadcast_to((sizes > 0)[:, :, None], (B, Hkv, Hq // Hkv, C)).reshape(B, Hq, C)
+    ref = refined_batched(xp, paper, ne, p1, margin)
+    n_ref = ref.sum(-1, keepdims=True)
+    gap = xp.where(ref, sub - paper, 0.0).sum(-1, keepdims=True) / xp.maximum(n_ref, 1)
+    return xp.where(ref, sub, paper + gap), ref
+
+
+def _scores(xp, mass, q, **kw):
+    """The decode paths' cluster scores and, for "sub-near", its refined clusters (what
+    :func:`index_reads` counts; None for the other estimators)."""
+    if mass == "sub-near":
+        kw.pop("alpha"), kw.pop("lz")
+        return sub_near_batched(xp, q, **kw)
+    return log_mass_batched(xp, mass, q, **kw), None
+
+
 def log_mass_batched(xp, name, q, *, scale, sizes, centroids=None, stats=None, alpha=1.0,
                      lz=None, p1=None, margin=cm.REFINE_MARGIN):
     """log Zhat (B, Hq, C) by estimator ``name`` for every cluster (meaningless where
@@ -357,13 +380,8 @@ def log_mass_batched(xp, name, q, *, scale, sizes, centroids=None, stats=None, a
     if name == "exact":
         return lz
     if name == "sub-near":
-        paper = log_mass_batched(xp, "paper", q, scale=scale, sizes=sizes, centroids=centroids)
-        sub = log_mass_batched(xp, "sub", q, scale=scale, sizes=sizes, stats=stats)
-        ne = xp.broadcast_to((sizes > 0)[:, :, None], (B, Hkv, G, sizes.shape[-1]))
-        ref = refined_batched(xp, paper, ne.reshape(B, Hq, -1), p1, margin)
-        n_ref = ref.sum(-1, keepdims=True)
-        gap = xp.where(ref, sub - paper, 0.0).sum(-1, keepdims=True) / xp.maximum(n_ref, 1)
-        return xp.where(ref, sub, paper + gap)
+        return sub_near_batched(xp, q, scale=scale, sizes=sizes, centroids=centroids,
+                                stats=stats, p1=p1, margin=margin)[0]
     qg = q.reshape(B, Hkv, G, D)
     with _errstate(xp):
         logs = xp.log(sizes.astype(xp.float64))[:, :, None]        # (B, Hkv, 1, C)
@@ -596,7 +614,7 @@ def doublep_batched(q, k, v, lens, index, *, p1, p2, scale, mass="paper", value=
     need_lz = mass == "exact" or mass_diagnostics or approx_weight == "exact"
     lz = exact_log_mass(xp, x, lab, C) if need_lz else None
     cent = xp.asarray(index.centroids).astype(xp.float64)
-    lzhat = log_mass_batched(xp, mass, q64, scale=scale, sizes=sizes, centroids=cent,
+    lzhat, refined = _scores(xp, mass, q64, scale=scale, sizes=sizes, centroids=cent,
                              stats=mass_stats, alpha=mass_alpha, lz=lz, p1=p1, margin=margin)
     vmeans = xp.asarray(np.asarray(index.value_means))
     vp = value_batched(xp, value, q64, scale=scale, value_means=vmeans, stats=mass_stats,
@@ -610,20 +628,8 @@ def doublep_batched(q, k, v, lens, index, *, p1, p2, scale, mass="paper", value=
                          approx_weight=approx_weight)
     rank = mass_stats.rank if isinstance(mass_stats, cm.ClusterStats) else mass_rank
     n_sub = mass_stats.n_sub if isinstance(mass_stats, cm.ClusterStats) else mass_sub
-    refined = _refined_for_reads(xp, mass, q64, scale, sizes, cent, p1, margin)
     return out, index_reads(xp, d, sizes, lens_x, mass, value, rank=rank, n_sub=n_sub,
                             refined=refined)
-
-
-def _refined_for_reads(xp, mass, q, scale, sizes, centroids, p1, margin):
-    """"sub-near"'s refined clusters (B, Hq, C), for :func:`index_reads`; None otherwise."""
-    if mass != "sub-near":
-        return None
-    B, Hq, _ = q.shape
-    Hkv, C = sizes.shape[1], sizes.shape[-1]
-    paper = log_mass_batched(xp, "paper", q, scale=scale, sizes=sizes, centroids=centroids)
-    ne = xp.broadcast_to((sizes > 0)[:, :, None], (B, Hkv, Hq // Hkv, C)).reshape(B, Hq, C)
-    return refined_batched(xp, paper, ne, p1, margin)
 
 
 def index_reads(xp, d, sizes, lens, mass, value, *, rank, n_sub, refined=None):
@@ -835,7 +841,7 @@ def decode_rows(xp, li, q, k_own, v_own, pos, a, b, *, mass, value, alpha, p1, p
                or approx_weight == "exact")
     lz = exact_log_mass(xp, x, lab, C) if need_lz else None
     cent = xp.broadcast_to(li.centroids[None], (Bn,) + li.centroids.shape)
-    lzhat = log_mass_batched(xp, mass, q, scale=scale, sizes=sizes, centroids=cent, stats=st,
+    lzhat, refined = _scores(xp, mass, q, scale=scale, sizes=sizes, centroids=cent, stats=st,
                              alpha=alpha, lz=lz, p1=p1, margin=margin)
     vp = value_batched(xp, value, q, scale=scale, value_means=st["vmean"], stats=st, alpha=alpha)
     Vn = V[:, :n]
@@ -851,7 +857,7 @@ def decode_rows(xp, li, q, k_own, v_own, pos, a, b, *, mass, value, alpha, p1, p
     out, d = decode_core(xp, x, lab, lens, ws, li.n_sink, lzhat, sizes > 0, vp, mix, p1, p2,
                          lz=lz, mass_diagnostics=mass_diagnostics, approx_weight=approx_weight)
     d = index_reads(xp, d, sizes, lens, mass, value, rank=li.rank, n_sub=li.n_sub,
-                    refined=_refined_for_reads(xp, mass, q, scale, sizes, cent, p1, margin))
+                    refined=refined)
     if error_acc is not None:
         ne = xp.broadcast_to((sizes > 0)[:, :, None], (Bn, Hkv, G, C)).reshape(Bn, Hq, C)
         has = ne.any(-1)

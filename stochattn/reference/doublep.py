@@ -312,31 +312,30 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
                 den = we.sum()
                 k_extra = approx_tokens
                 v_extra = np.zeros(0, dtype=np.int64)
-                if approx_tokens.size and targeted:
-                    den_e = we.sum()
-                    ch = choose_split_budgets(
-                        wa[None], V[approx_tokens][None], sqn[b, kvh, approx_tokens][None],
-                        np.array([den_e / (den_e + wa.sum())]),
-                        (num / den_e if den_e > 0 else np.zeros(D))[None], eps=eps,
-                        delta=delta, max_budget=max_budget, rule=budget_rule, norm=budget_norm,
-                        pilot=pilot, pilot_share=pilot_share, seed=seed, offset=offset,
-                        rows=np.array([b * Hq + h]), heads=Hq)
-                    S_h = int(ch.budget[0])
-                    diag["budget"][b, h] = S_h
-                    diag["budget_capped"][b, h] = ch.capped[0]
-                    diag["error_bound"][b, h] = ch.error_bound[0]
-                    pts = sample_points(sampler, S_h, seed=seed, offset=offset, row=b * Hq + h,
-                                        stream=0, purpose=PURPOSE_CLUSTER_SAMPLER, heads=Hq)
-                    picks = approx_tokens[invert_cdf(wa, pts)]
-                    picks_of[b, h] = picks
-                    z_a = wa.sum()
-                    num = num + z_a * V[picks].mean(axis=0)
-                    den = den + z_a
-                    v_extra = picks
-                elif approx_tokens.size:
+                if approx_tokens.size:
                     z_a = wa.sum()  # exact mass of C_approx (shifted by m)
-                    picks = approx_tokens[invert_cdf(wa, points[b, h])]
-                    diag["sample_indices"][b, h] = picks
+                    if targeted:  # this head's S for its C_approx, then that many points
+                        den_e = we.sum()
+                        ch = choose_split_budgets(
+                            wa[None], V[approx_tokens][None], sqn[b, kvh, approx_tokens][None],
+                            np.array([den_e / (den_e + z_a)]),
+                            (num / den_e if den_e > 0 else np.zeros(D))[None], eps=eps,
+                            delta=delta, max_budget=max_budget, rule=budget_rule,
+                            norm=budget_norm, pilot=pilot, pilot_share=pilot_share, seed=seed,
+                            offset=offset, rows=np.array([b * Hq + h]), heads=Hq)
+                        diag["budget"][b, h] = ch.budget[0]
+                        diag["budget_capped"][b, h] = ch.capped[0]
+                        diag["error_bound"][b, h] = ch.error_bound[0]
+                        pts = sample_points(sampler, int(ch.budget[0]), seed=seed,
+                                            offset=offset, row=b * Hq + h, stream=0,
+                                            purpose=PURPOSE_CLUSTER_SAMPLER, heads=Hq)
+                    else:
+                        pts = points[b, h]
+                    picks = approx_tokens[invert_cdf(wa, pts)]
+                    if targeted:
+                        picks_of[b, h] = picks
+                    else:
+                        diag["sample_indices"][b, h] = picks
                     # Unbiased: E[mean v_J] = sum_A (w_j / Z_A) v_j; the denominator is exact.
                     num = num + z_a * V[picks].mean(axis=0)
                     den = den + z_a
