@@ -18,8 +18,10 @@ __all__ = ["RULES", "NORMS", "SPLIT_NORMS", "CLT_MAX_DELTA", "tail_factor", "stu
 RULES = ("chebyshev", "clt")
 NORMS = ("pilot", "oracle", "student")
 # With an exact part (Double-P's sampled variant, reference.split_budgets) also "bound":
-# ||o|| >= ||w_E o_E|| - w_A sqrt(m2_A) from the exact part and the norms alone, no pilot.
-SPLIT_NORMS = NORMS + ("bound",)
+# ||o|| >= ||w_E o_E|| - w_A sqrt(m2_A) from the exact part and the norms alone, no pilot;
+# and "auto": per head the cheapest of the bound, a pilot sized by w_A (at most `pilot`
+# draws, Markov's factor at any size) and reading C_approx's values outright.
+SPLIT_NORMS = NORMS + ("bound", "auto")
 # Szekely-Bakirov: the one-eigenvalue tail is the largest for thresholds x > 1.5364 (times the
 # mean), i.e. delta = P(Z^2 > x) < 0.2148; 0.2 keeps a margin.
 CLT_MAX_DELTA = 0.2
@@ -99,6 +101,7 @@ def check_plan_options(budget, eps, delta, max_budget, rule, norm, pilot, pilot_
         raise ValueError("`eps` needs `delta` and `max_budget`")
     check_options(eps, delta, max_budget, rule, norm, pilot, pilot_share, norms)
     if norm == "oracle":
-        raise ValueError("`budget_norm` must be 'pilot' or 'student' ('oracle' reads "
+        allowed = ", ".join(repr(n) for n in norms if n != "oracle")
+        raise ValueError(f"`budget_norm` must be one of {allowed} ('oracle' reads "
                          "all of V: a yardstick of the reference, not an option)")
     return float(eps), float(delta), int(max_budget)

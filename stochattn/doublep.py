@@ -650,7 +650,10 @@ def doublep_attention(q, k, v=None, seq_lens=None, *, index, p1=0.95, p2=0.7, ap
         selected tokens (the p2 = 1 output; :mod:`stochattn.reference.split_budgets`),
         capped at ``max_budget``; the pilot draws come from C_approx. ``budget_norm``
         also takes ``"bound"`` here: no pilot, ``|o|`` bounded from the exact part and the
-        norms alone. The reference (NumPy) only for now: a GPU plan refuses them.
+        norms alone; and ``"auto"``: per head the cheapest of that bound, a pilot sized by
+        C_approx's weight and reading C_approx's values, ``pilot`` then the most a head
+        reads before its main draws (give a generous one, e.g. 4096: only what pays is
+        drawn). The reference (NumPy) only for now: a GPU plan refuses them.
     v_sqnorms : array (B, Hkv, N), optional
         ||v_j||^2 per token (:func:`stochattn.value_sqnorms`), read with ``eps``; computed
         from ``v`` when left out.

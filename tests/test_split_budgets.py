@@ -9,6 +9,13 @@ computed requirement (exact up to the ceil); a halved variance fails the same st
 with no exact part the budgets are S²ANTA's (choose_budgets) row for row. Each head of the
 pool is split three ways (kind = h mod 3): no exact part; the exact part the top tokens up
 to 70% of the mass (Double-P's C_exact: w_A small); a random 30% of the tokens (w_A large).
+
+norm="auto" (a pilot sized per head by w_A): in the coverage cases with a cap of AUTO_PILOT =
+128 draws, which on this pool gives every way (bound, exact read, sampled pilot); its
+pilot's event L <= ||o|| has its own binomial test against delta_pilot over the sampled
+rows (TEST_ALPHA = 1e-6 for that test), which rejects the planted bound without its width;
+the plan's S0 is the brute-force argmin of its predicted total, and the predicted total
+is non-decreasing in w_A (exact); the mean draws fall as w_A falls.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ CASES = ([("iid", rule, norm, e, d) for rule in bd.RULES for norm in SPLIT_NORMS
           for e in EPS for d in DELTAS]
          + [("stratified", "clt", "oracle", e, d) for e in EPS for d in DELTAS])
 CASE_ALPHA = ALPHA / len(CASES)
+AUTO_PILOT = 128  # norm="auto"'s cap in the coverage cases (module docstring)
 
 
 class Split:
@@ -58,7 +66,8 @@ class Split:
         self.wA = za
 
     def choose(self, rule, norm, eps, delta, seed, pilot=None, **kw):
-        pilot = pilot or {"pilot": bd.pilot_size(eps, delta, rule, 2000), "student": 512}.get(norm, 1)
+        pilot = pilot or {"pilot": bd.pilot_size(eps, delta, rule, 2000), "student": 512,
+                          "auto": AUTO_PILOT}.get(norm, 1)
         return choose_split_budgets(self.wa, self.V, self.sq, self.w_exact, self.o_exact, eps=eps,
                                     delta=delta, max_budget=MAX_BUDGET, rule=rule, norm=norm,
                                     pilot=pilot, seed=seed, rows=np.arange(self.H), heads=self.H,
@@ -156,7 +165,7 @@ def _doublep_instance(seed=0):
     return q, k, v, lens, index
 
 
-@pytest.mark.parametrize("norm", bd.NORMS)
+@pytest.mark.parametrize("norm", bd.NORMS + ("auto",))
 def test_doublep_heads_draw_what_a_fixed_budget_call_draws(norm):
     """Each head's draws and output are those of the fixed-budget call with its S, bit for
     bit (the points of a row depend on that row's S only)."""
@@ -264,6 +273,12 @@ def test_public_doublep_with_eps_is_the_reference():
     (dict(approx="sample", eps=-1.0, delta=0.1, max_budget=10), ValueError, "eps"),
     (dict(approx="sample", eps=0.1, delta=0.1, max_budget=10, device="cuda"),
      NotImplementedError, "eps"),
+    (dict(approx="sample", eps=0.1, delta=0.1, max_budget=10, budget_norm="auto",
+          device="cuda"), NotImplementedError, "eps"),
+    (dict(approx="sample", eps=0.1, delta=0.1, max_budget=10, budget_norm="auto", pilot=0),
+     ValueError, "pilot"),
+    (dict(approx="sample", eps=0.1, delta=0.1, max_budget=10, budget_norm="automatic"),
+     ValueError, "norm"),
 ])
 def test_doublep_plan_budget_errors_name_the_argument(kwargs, exc, match):
     from stochattn import DoublePPlan
@@ -287,3 +302,145 @@ def test_bound_norm_is_a_lower_bound_and_needs_no_pilot(split):
     assert (ch.norm_sq_lower[none] == 0).all() and ch.capped[none].all()
     assert (ch.cost == ch.budget).all()
     assert (~ch.capped[split.w_exact > 0.9]).any()
+
+
+# norm="auto": a pilot sized per head by w_A (split_budgets.auto_pilot_plan).
+
+def _plan(split, rule, eps, delta, pilot=AUTO_PILOT, w_approx=None, w_exact=None):
+    from stochattn.reference.split_budgets import auto_pilot_plan
+    wA = split.wA if w_approx is None else w_approx
+    we = split.w_exact if w_exact is None else w_exact
+    m2 = np.einsum("hn,hn->h", split.pa, split.sq)
+    G = np.sqrt((((we[:, None]) * split.o_exact) ** 2).sum(-1))
+    return auto_pilot_plan(wA, m2, G, (split.wa > 0).sum(-1), eps=eps, delta=delta, rule=rule,
+                           pilot=pilot, pilot_share=0.25), m2, G
+
+
+def _auto_event(split, rule, eps, delta, reps):
+    """Sampled rows and those among them whose L exceeds ||o|| (the pilot's event failed)."""
+    n = F = 0
+    for r in range(reps):
+        ch = split.choose(rule, "auto", eps, delta, r)
+        sampled = ch.delta_pilot > 0
+        n += int(sampled.sum())
+        F += int((sampled & (ch.norm_sq_lower > split.on2 * (1 + 1e-12))).sum())
+    return F, n, ch
+
+
+@pytest.mark.parametrize("rule, delta", [("chebyshev", 0.1), ("clt", 0.01)])
+def test_auto_pilot_bound_holds_and_a_dropped_width_is_caught(split, rule, delta, monkeypatch):
+    """The pilot's event: over the rows that draw a pilot, P(L > ||o||) <= delta_pilot (one-
+    sided exact binomial test at TEST_ALPHA / 2 per case); rows without a pilot have
+    L <= ||o|| always (exact). The planted bound without its width (k = 0: L the norm of the
+    pilot's point estimate) fails the same statistic."""
+    import stochattn.reference.split_budgets as sbm
+    test_alpha, eps = 1e-6, 0.1
+    F, n, ch = _auto_event(split, rule, eps, delta, 16)
+    dp = 0.25 * delta
+    assert n > 1000 and binom_sf(F, n, dp) >= test_alpha / 2, f"{F}/{n} at delta_pilot {dp}"
+    quiet = ch.delta_pilot == 0
+    assert (ch.norm_sq_lower[quiet] <= split.on2[quiet] * (1 + 1e-12)).all()
+    monkeypatch.setattr(sbm, "_pilot_factor", lambda delta_pilot, S0: 0.0 * S0)
+    Fb, nb, _ = _auto_event(split, rule, eps, delta, 16)
+    assert binom_sf(Fb, nb, dp) < test_alpha / 2, f"planted dropped width passed: {Fb}/{nb}"
+
+
+@pytest.mark.parametrize("rule, eps, delta", [("clt", 0.1, 0.1), ("chebyshev", 0.05, 0.01)])
+def test_auto_plan_is_the_least_predicted_total(split, rule, eps, delta):
+    """Exact: the sampled S0 is the argmin over every S0 in [1, pilot] of the predicted
+    total S0 + a / (1 - b / sqrt(S0))^2, computed here from its definition; the way chosen
+    is the least of bound, exact read and sampled pilot; each way's rows get that way's
+    budgets (bound rows the "bound" norm's, exact-read rows the oracle's, bit for bit)."""
+    from stochattn.reference.split_budgets import AUTO_BOUND, AUTO_EXACT, AUTO_SAMPLED
+    (kind, size, pred), m2, G = _plan(split, rule, eps, delta)
+    dp = 0.25 * delta
+    cp, cm, c0 = 1 / dp, bd.tail_factor(rule, delta - dp), bd.tail_factor(rule, delta)
+    S0 = np.arange(1, AUTO_PILOT + 1)[None, :]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        a = (cm * split.wA**2 * m2 / (eps**2 * G**2))[:, None]
+        b = (split.wA * np.sqrt(cp * m2) / G)[:, None]
+        r = b / np.sqrt(S0)
+        T = np.where(r < 1, S0 + a / (1 - r) ** 2, np.inf)
+        t_bound = c0 * split.wA**2 * m2 / (eps**2 * (G - split.wA * np.sqrt(m2)) ** 2)
+    t_bound = np.where(G > split.wA * np.sqrt(m2), t_bound, np.inf)
+    n_a = (split.wa > 0).sum(-1)
+    t_exact = np.where(n_a <= AUTO_PILOT, n_a + (c0 / cm) * a[:, 0], np.inf)
+    best = np.min(np.stack([t_bound, t_exact, T.min(1)]), axis=0)
+    finite = np.isfinite(best)
+    assert finite.sum() > 50 and (kind[finite] != AUTO_BOUND).any()
+    np.testing.assert_allclose(pred[finite], best[finite], rtol=1e-12)
+    samp = kind == AUTO_SAMPLED
+    assert samp.any()
+    np.testing.assert_allclose(T[samp, size[samp] - 1], T[samp].min(1), rtol=1e-12)
+    assert (size[kind == AUTO_BOUND] == 0).all()
+    assert (size[kind == AUTO_EXACT] == n_a[kind == AUTO_EXACT]).all()
+    assert (size <= AUTO_PILOT).all()
+    # no exact part: no prediction; the cap (or the exact read where A fits in it)
+    none = split.w_exact == 0
+    assert (kind[none] == np.where(n_a[none] <= AUTO_PILOT, AUTO_EXACT, AUTO_SAMPLED)).all()
+    ch = split.choose(rule, "auto", eps, delta, 0)
+    for way, norm in ((AUTO_BOUND, "bound"), (AUTO_EXACT, "oracle")):
+        ref = split.choose(rule, norm, eps, delta, 0)
+        m = kind == way
+        assert m.any() and np.array_equal(ch.budget[m], ref.budget[m])
+        assert np.array_equal(ch.norm_sq_lower[m], ref.norm_sq_lower[m])
+    assert np.array_equal(ch.pilot, size) and np.array_equal(ch.cost, ch.budget + size)
+    assert (ch.delta_pilot[samp] == 0.25 * delta).all() and (ch.delta_pilot[~samp] == 0).all()
+
+
+def test_auto_draws_fall_with_the_sampled_mass(split):
+    """The same heads (o_E, p_A, values fixed) with the sampled part's weight w_A scaled
+    down from 0.5 to 0.002, under a cap of 4096 draws: the predicted total is non-decreasing
+    in w_A on every head (exact) and a sampled pilot's S0 shrinks with it; the mean draws
+    (pilot + main) fall, strictly down to w_A 0.01 on the heads whose exact part is not
+    tiny (||o_E|| >= sqrt(m2_A) / 10; with o_E = 0, ||o|| is w_A ||o_A||, so the relative
+    target costs the same whatever w_A), and
+    stay below the studentised pilot's (512 + main); at w_A 0.002 those heads draw no
+    pilot at all."""
+    from stochattn.reference.split_budgets import AUTO_BOUND, AUTO_SAMPLED
+    has = split.w_exact > 0
+    rule, eps, delta, cap = "clt", 0.1, 0.1, 4096
+    grid = (0.5, 0.2, 0.05, 0.01, 0.002)
+    preds, sizes, kinds, costs, clear_costs = [], [], [], [], []
+    for w in grid:
+        wA = np.where(has, w, 1.0)
+        (kind, size, pred), m2, G = _plan(split, rule, eps, delta, pilot=cap, w_approx=wA,
+                                          w_exact=1 - wA)
+        clear = has & (G >= 0.1 * np.sqrt(m2) * (1 - w))
+        preds.append(pred), sizes.append(size), kinds.append(kind)
+        ch, st = (choose_split_budgets(wA[:, None] * split.pa, split.V, split.sq, 1 - wA,
+                                       split.o_exact, eps=eps, delta=delta,
+                                       max_budget=MAX_BUDGET, rule=rule, norm=norm,
+                                       pilot=pilot, seed=0, rows=np.arange(split.H),
+                                       heads=split.H)
+                  for norm, pilot in (("auto", cap), ("student", 512)))
+        assert np.array_equal(ch.pilot, size) and not ch.capped[has].any()
+        costs.append(ch.cost[has].mean())
+        clear_costs.append(ch.cost[clear].mean())
+        assert costs[-1] < st.cost[has].mean()
+    for hi, lo in zip(range(len(grid) - 1), range(1, len(grid))):
+        assert (preds[lo][has] <= preds[hi][has]).all()
+        both = (kinds[hi] == AUTO_SAMPLED) & (kinds[lo] == AUTO_SAMPLED)
+        assert (sizes[lo][both] <= sizes[hi][both]).all()
+    assert all(c1 <= c0 for c0, c1 in zip(costs, costs[1:])), costs
+    assert all(c1 < c0 for c0, c1 in zip(clear_costs[:-1], clear_costs[1:-1])), clear_costs
+    assert clear.mean() > 0.5, clear.mean()
+    assert (kinds[-1][clear] == AUTO_BOUND).all() and (kinds[0][has] != AUTO_BOUND).any()
+
+
+def test_auto_options_are_checked(split):
+    with pytest.raises(ValueError, match="pilot"):
+        split.choose("clt", "auto", 0.1, 0.1, 0, pilot=-3)
+    with pytest.raises(ValueError, match="norm"):
+        split.choose("clt", "Auto", 0.1, 0.1, 0)
+    with pytest.raises(TypeError, match="pilot"):
+        split.choose("clt", "auto", 0.1, 0.1, 0, pilot=1.5)
+    with pytest.raises(ValueError, match="delta"):
+        split.choose("clt", "auto", 0.1, 0.3, 0)
+    from stochattn import DoublePPlan, SantaPlan
+    with pytest.raises(ValueError, match="budget_norm.*'auto'"):
+        DoublePPlan(approx="sample", eps=0.1, delta=0.1, max_budget=10, budget_norm="oracle")
+    assert DoublePPlan(approx="sample", eps=0.1, delta=0.1, max_budget=10,
+                       budget_norm="auto").options()["budget_norm"] == "auto"
+    with pytest.raises(ValueError, match="norm"):  # S²ANTA has no exact part
+        SantaPlan(eps=0.1, delta=0.1, max_budget=10, budget_norm="auto")
