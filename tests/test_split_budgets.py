@@ -234,10 +234,15 @@ def test_study_split_is_doublep_target():
     we = inst["w_exact"][:, None]
     np.testing.assert_allclose(we * inst["o_exact"] + (1 - we) * o_a, inst["o"], rtol=1e-10,
                                atol=1e-12)
-    F, n, sum_s, _, capped, _ = layer_failures(inst, rule="clt", norm="oracle", eps=0.2,
-                                               delta=0.1, sampler="systematic", seed=0,
-                                               max_budget=10**6, rng=np.random.default_rng(0))
+    F, n, sum_s, _, capped, _, *ways = layer_failures(
+        inst, rule="clt", norm="oracle", eps=0.2, delta=0.1, sampler="systematic", seed=0,
+        max_budget=10**6, rng=np.random.default_rng(0))
     assert n == int(inst["live"].sum()) and sum_s >= n and capped == 0 and F <= n
+    assert ways == [0, 0, 0]
+    F, n, sum_s, sum_pilot, capped, _, *ways = layer_failures(
+        inst, rule="clt", norm="auto", eps=0.2, delta=0.1, sampler="systematic", seed=0,
+        max_budget=10**6, rng=np.random.default_rng(0), auto_pilot=256)
+    assert sum(ways) == n and 0 <= sum_pilot <= 256 * n and F <= n
 
 
 def test_public_doublep_with_eps_is_the_reference():

