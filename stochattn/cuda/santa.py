@@ -468,10 +468,13 @@ class DeviceBudgets(NamedTuple):
 
 # santa_prop_budgets' per-call arguments (its page table after seq_lens), and those of the
 # pilot sets and the main sampling (santa_prop_sample_budgets; page table last).
-_BUDGETS_VARIABLE = (("logits", "tile_m", "seq_lens") + PAGE_VARIABLE
-                     + ("sqnorms", "sq_page_stride", "sq_row_stride", "sq_head_stride",
-                        "pilot_o", "v", "pilot_b", "budgets", "capped", "error_bound",
+_MOMENT_VARIABLE = (("logits", "tile_m", "seq_lens") + PAGE_VARIABLE
+                    + ("sqnorms", "sq_page_stride", "sq_row_stride", "sq_head_stride", "parts"))
+_BUDGETS_VARIABLE = (("tile_m", "seq_lens") + PAGE_VARIABLE
+                     + ("parts", "pilot_o", "v", "pilot_b", "budgets", "capped", "error_bound",
                         "norm_sq_lower", "second_moment"))
+# Tokens per CTA of santa_prop_second_moment (m2's sums split over the sequence).
+_MOMENT_CHUNK = abi.constant(_FAMILY, "kMomentChunk")
 _PILOT_VARIABLE = SAMPLE_VARIABLE + ("budgets", "part_o", "part_ml") + PAGE_VARIABLE
 _MAIN_VARIABLE = SAMPLE_VARIABLE + ("budgets",) + PAGE_VARIABLE
 _BUDGET_FIELDS = (("budget", "int32", 4), ("capped", "int32", 4), ("error_bound", "float64", 8),
@@ -554,15 +557,21 @@ def targeted_workspace_bytes(batch, q_heads, kv_heads, tokens, head_dim, max_bud
     n_tiles = math.ceil(tokens / tile_size)
     return launch.layout(_scratch_sizes(rows, groups, n_tiles * tile_size, n_tiles, max_budget,
                                         head_dim, sampler)
-                         + _targeted_sizes(rows, head_dim, pilot))[1]
+                         + _targeted_sizes(rows, head_dim, pilot, tokens))[1]
 
 
-def _targeted_sizes(rows, D, pilot) -> tuple:
+def _targeted_sizes(rows, D, pilot, tokens) -> tuple:
     """pilot_o and pilot_o2 (f32 rows x D: the pilot's or set A's mean, and set B's),
     pilot_ml and pilot_ml2 (f32 rows x 2), the pilot's idx32 (i32 rows x pilot: set A's
-    rows x S_A then set B's rows x S_B), then the budget fields (_BUDGET_FIELDS, rows each)."""
-    return ((4 * rows * D, 4 * rows * D, 8 * rows, 8 * rows, 4 * rows * pilot)
+    rows x S_A then set B's rows x S_B), m2's partial sums (f64 rows x chunks x 3), then the
+    budget fields (_BUDGET_FIELDS, rows each)."""
+    return ((4 * rows * D, 4 * rows * D, 8 * rows, 8 * rows, 4 * rows * pilot,
+             24 * rows * _moment_chunks(tokens))
             + tuple(n * rows for _, _, n in _BUDGET_FIELDS))
+
+
+def _moment_chunks(tokens) -> int:
+    return max(1, math.ceil(tokens / _MOMENT_CHUNK))
 
 
 class _TargetedPlan:
@@ -610,7 +619,7 @@ class _TargetedPlan:
         n_pad = n_tiles * ts
         sizes = (_scratch_sizes(rows, s.batch * s.kv_heads, n_pad, n_tiles, self.max_budget,
                                 s.head_dim, sampler)
-                 + _targeted_sizes(rows, s.head_dim, self.pilot))
+                 + _targeted_sizes(rows, s.head_dim, self.pilot, s.tokens))
         self.offsets, self.scratch_bytes = launch.layout(sizes)
         self.rows = rows
         dtype_name = inputs.base_plan(inp, softmax_scale)[3]
@@ -619,9 +628,11 @@ class _TargetedPlan:
         p = launch.Packed
         decl = abi.kernel(_FAMILY, "santa_prop_sample_budgets")
         bdecl = abi.kernel(_FAMILY, "santa_prop_budgets")
+        mdecl = abi.kernel(_FAMILY, "santa_prop_second_moment")
         with inputs.device_scope(self.device):
             sample = launch.launcher(_FAMILY, decl.expr(T=ctype, D=s.head_dim), 0, cfg)
             budgets = launch.launcher(_FAMILY, bdecl.expr(), 0, cfg)
+            moment = launch.launcher(_FAMILY, mdecl.expr(), 0, cfg)
         common = dict(Hq=s.q_heads, G=s.group, N=s.tokens, n_pad=n_pad, n_tiles=n_tiles,
                       tile_size=ts)
         # The pilot sets: fixed S (no budgets array), stratified, purpose 4, each on its
@@ -633,13 +644,19 @@ class _TargetedPlan:
                         sampler=sampler_code("stratified"), purpose=PURPOSE_BUDGET_PILOT,
                         **common), pdl=pdl)
             for n, stream in self.sets)
+        n_chunks = _moment_chunks(s.tokens)
+        self.moment_launch = p(moment, (n_chunks * rows,), (_SAMPLE_THREADS,),
+                               mdecl.bind(_MOMENT_VARIABLE, n_chunks=n_chunks, **common),
+                               pdl=pdl)
         self.budgets_launch = p(budgets, base.grid2, (_SAMPLE_THREADS,),
                                 bdecl.bind(_BUDGETS_VARIABLE, D=s.head_dim, eps=self.eps,
+                                           n_chunks=n_chunks,
                                            c_main=self.c_main, k_pilot=k_pilot,
                                            max_budget=self.max_budget,
                                            student=int(self.student),
                                            dtype=0 if dtype_name == "float16" else 1,
-                                           S_B=self.sets[-1][0], z=z, **common),
+                                           S_B=self.sets[-1][0], z=z,
+                                           **{k: v for k, v in common.items() if k != "n_pad"}),
                                 pdl=pdl)
         self.main_launch = p(sample, base.grid2, (_SAMPLE_THREADS,),
                              decl.bind(_MAIN_VARIABLE, max_budget=self.max_budget,
@@ -682,7 +699,8 @@ class _TargetedPlan:
             ptr, _scratch = _workspace.scratch(ops, inp.q, self.scratch_bytes, workspace,
                                                self.device)
             (logits, tile_m, tile_l, C, iid, idx32, _qhat, _feat, _nfeat, _frac, pilot_o,
-             pilot_o2, pilot_ml, pilot_ml2, pilot_idx, *fields) = (ptr + o for o in self.offsets)
+             pilot_o2, pilot_ml, pilot_ml2, pilot_idx, parts, *fields) = (
+                 ptr + o for o in self.offsets)
             out = _workspace.output(ops, inp.q, base.out_shape, None, out, self.device)
             outp = ops.ptr(out)
             extra = ()
@@ -712,8 +730,9 @@ class _TargetedPlan:
                 last_idx = at_idx
                 at_idx += 4 * self.rows * n
                 at_out += n
-            self.budgets_launch(stream, logits, tile_m, lens, *pg, *norms, pilot_o, vp,
-                                last_idx, *fields)
+            self.moment_launch(stream, logits, tile_m, lens, *pg, *norms, parts)
+            self.budgets_launch(stream, tile_m, lens, *pg, parts, pilot_o, vp, last_idx,
+                                *fields)
             self.main_launch(stream, vp, lens, logits, tile_m, tile_l, C, iid, idx32, idxp, outp,
                              *rs, fields[0], *pg)
         return (out,) + extra if extra else out

@@ -133,7 +133,8 @@ def name_expressions(family: str, dtypes=None) -> list:
     if family == "santa_prop":
         names.append(k("santa_prop_tiles").expr())  # not a template: one kernel for every dtype
         # error-targeted budgets (not templates either)
-        names += [k("santa_prop_budgets").expr(), k("value_sqnorms_rows").expr()]
+        names += [k("santa_prop_second_moment").expr(), k("santa_prop_budgets").expr(),
+                  k("value_sqnorms_rows").expr()]
     if family == "doublep_decode":
         names += [k("doublep_select").expr(), k("doublep_select_sorted").expr()]
         names += [k("doublep_rows").expr(GMAX=gm, SAMPLE=flag) for gm in GROUP_MAXES

@@ -846,12 +846,107 @@ __device__ double student_sum(const BudgetRows& vrows, int dtype,
   return block_reduce(acc, SumD(), sm);
 }
 
+// m* = max_t m_t of a row (NaN if a tile maximum is NaN), every thread getting it: the
+// same operations in santa_prop_second_moment and santa_prop_budgets, so both see one m*.
+__device__ __forceinline__ float row_max(const float* __restrict__ tm, int T_b, float* sm) {
+  float mxl = STOCHATTN_NEG_INF;
+  for (int t = threadIdx.x; t < T_b; t += kSampleThreads) mxl = nan_max(mxl, tm[t]);
+  return block_reduce(mxl, MaxF(), sm);
+}
+
+// Tokens per CTA of santa_prop_second_moment: a multiple of kMomentStep, the tokens one
+// pass of the block covers (kMomentAhead per thread, all loads issued before any is used).
+constexpr int kMomentAhead = 8;
+constexpr int kMomentStep = kSampleThreads * kMomentAhead;
+constexpr int kMomentChunk = 2 * kMomentStep;
+
+// Pass 1's moments of a row, split over the sequence: CTA row * n_chunks + c sums over tokens
+// [c kMomentChunk, (c + 1) kMomentChunk) of the row's stream
+//   den = sum_j exp(x_j - m*),  num = sum_j exp(x_j - m*) ||v_j||^2  (float64 sums of the
+//   float32 weights), vmax2 = max ||v_j||^2 over the tokens of positive weight,
+// and writes them to parts[(row * n_chunks + c) * 3 + {0, 1, 2}]; santa_prop_budgets folds
+// a row's chunks in chunk order (deterministic). One CTA per row walking the whole
+// sequence was a chain of memory latencies (a row of 32k tokens took ~60 us at batch 1);
+// this grid keeps the reads in flight across the sequence. Chunks past the row's length,
+// and rows whose m* is not finite (santa_prop_budgets handles them alone), write nothing.
+__global__ void __launch_bounds__(kSampleThreads)
+santa_prop_second_moment(const float* __restrict__ logits, const float* __restrict__ tile_m,
+                         const int* __restrict__ seq_lens, const int* __restrict__ kv_indptr,
+                         const int* __restrict__ kv_indices,
+                         const int* __restrict__ kv_last_page_len, int page_size,
+                         long long page_stride, int row_stride, int head_stride,
+                         const float* __restrict__ sqnorms, long long sq_page_stride,
+                         int sq_row_stride, int sq_head_stride, double* __restrict__ parts,
+                         int Hq, int G, long long N, long long n_pad, long long n_tiles,
+                         int tile_size, int n_chunks) {
+  STOCHATTN_PDL_ENTRY();
+  __shared__ float sm_f[kSampleWarps];
+  __shared__ double sm_d[kSampleWarps];
+  const long long row = blockIdx.x / n_chunks;  // b * Hq + h
+  const int chunk = (int)(blockIdx.x % n_chunks);
+  const long long j_begin = (long long)chunk * kMomentChunk;
+  const int b = (int)(row / Hq), h = (int)(row % Hq);
+  const int Hkv = Hq / G, kvh = h / G;
+  const PageTable table = page_table(kv_indptr, kv_indices, kv_last_page_len, page_size,
+                                     page_stride, row_stride, head_stride);
+  const long long len = stream_length(seq_lens, table, b, N);
+  if (j_begin >= len) return;  // uniform over the block
+  const int T_b = (int)((len + tile_size - 1) / tile_size);
+  const float mstar = row_max(tile_m + row * n_tiles, T_b, sm_f);
+  if (mstar != mstar || mstar == STOCHATTN_NEG_INF) return;
+  const float* xrow = logits + row * n_pad;
+  const BudgetRows sq = budget_rows(
+      sqnorms, 4,
+      page_table(kv_indptr, kv_indices, kv_last_page_len, page_size, sq_page_stride,
+                 sq_row_stride, sq_head_stride),
+      b, kvh, Hkv, N, 1);
+  const long long j_end = min(len, j_begin + kMomentChunk);
+  double num = 0.0, den = 0.0, vmax2 = 0.0;
+  // Thread tid takes tokens j0 + 4 (tid + u kSampleThreads) .. + 3 of each step: 16-byte
+  // loads of the stash (its rows are padded to whole tiles, n_pad a multiple of 4), the
+  // norms one by one (a contiguous stream's rows need not be 16-byte aligned).
+  for (long long j0 = j_begin; j0 < j_end; j0 += kMomentStep) {
+    float x[kMomentAhead], nv[kMomentAhead];
+#pragma unroll
+    for (int u = 0; u < kMomentAhead / 4; ++u) {
+      const long long j = j0 + 4 * ((long long)threadIdx.x + (long long)u * kSampleThreads);
+      const float4 f = j < j_end ? __ldg(reinterpret_cast<const float4*>(xrow + j))
+                                 : make_float4(0.f, 0.f, 0.f, 0.f);
+      x[4 * u] = f.x; x[4 * u + 1] = f.y; x[4 * u + 2] = f.z; x[4 * u + 3] = f.w;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) nv[4 * u + e] = j + e < j_end ? __ldg(sq.row_of<float>(j + e)) : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kMomentAhead; ++u) {
+      const long long j = j0 + 4 * ((long long)threadIdx.x + (long long)(u / 4) * kSampleThreads)
+                          + u % 4;
+      if (j < j_end) {
+        const double w = (double)expf(x[u] - mstar);  // <= 1
+        const double sqv = (double)nv[u];
+        den += w;
+        num += w * sqv;
+        if (w > 0.0) vmax2 = fmax(vmax2, sqv);
+      }
+    }
+  }
+  num = block_reduce(num, SumD(), sm_d);
+  den = block_reduce(den, SumD(), sm_d);
+  vmax2 = block_reduce(vmax2, MaxD(), sm_d);
+  if (threadIdx.x == 0) {
+    double* p = parts + (long long)blockIdx.x * 3;  // (row * n_chunks + chunk) * 3
+    p[0] = num;
+    p[1] = den;
+    p[2] = vmax2;
+  }
+}
+
 // One CTA per (b, query head) row: the budget S of choose_budgets (norm "pilot", or
 // "student" with `student` = 1) on the device, between pass 1 and the sampling.
-//   m2 = sum_j exp(x_j - m*) ||v_j||^2 / sum_j exp(x_j - m*) over the sequence (float64
-//        sums of the stashed fp32 logits; m* = max_t m_t), ||v_j||^2 the float32 norms
-//        kept beside the cache: (B, Hkv, N) contiguous, or the V pool's shape without D
-//        for a paged cache (strides sq_*; pages through the page table);
+//   m2 = sum_j exp(x_j - m*) ||v_j||^2 / sum_j exp(x_j - m*) over the sequence (m* =
+//        max_t m_t), from santa_prop_second_moment's `parts` (n_chunks per row, folded in
+//        chunk order); ||v_j||^2 the float32 norms kept beside the cache: (B, Hkv, N)
+//        contiguous, or the V pool's shape without D for a paged cache (strides sq_*;
+//        pages through the page table; the studentised bound reads V's rows here);
 //   pilot: y = ||o_p||, o_p the pilot's fp32 mean (`pilot_o`: santa_prop_sample_budgets
 //        on purpose PURPOSE_BUDGET_PILOT, stratified, stream 0), and
 //        L = pilot_norm_lower(y, m2, k_pilot) (the closed-form smaller root);
@@ -866,17 +961,17 @@ __device__ double student_sum(const BudgetRows& vrows, int dtype,
 // second_moment (m2), float64. Empty rows: S = 0, bound 0. Rows that read a NaN or an
 // infinity (m* not finite): S = 1 (the sampling writes their NaN row), capped, NaN bound.
 __global__ void __launch_bounds__(kSampleThreads)
-santa_prop_budgets(const float* __restrict__ logits, const float* __restrict__ tile_m,
+santa_prop_budgets(const float* __restrict__ tile_m,
                    const int* __restrict__ seq_lens, const int* __restrict__ kv_indptr,
                    const int* __restrict__ kv_indices, const int* __restrict__ kv_last_page_len,
                    int page_size, long long page_stride, int row_stride, int head_stride,
-                   const float* __restrict__ sqnorms, long long sq_page_stride,
-                   int sq_row_stride, int sq_head_stride, const float* __restrict__ pilot_o,
+                   const double* __restrict__ parts, int n_chunks,
+                   const float* __restrict__ pilot_o,
                    const void* __restrict__ v, const int* __restrict__ pilot_b,
                    int* __restrict__ budgets, int* __restrict__ capped,
                    double* __restrict__ error_bound, double* __restrict__ norm_sq_lower,
                    double* __restrict__ second_moment, int Hq, int G, long long N,
-                   long long n_pad, long long n_tiles, int tile_size, int D, double eps,
+                   long long n_tiles, int tile_size, int D, double eps,
                    double c_main, double k_pilot, int max_budget, int student, int dtype,
                    int S_B, double z) {
   STOCHATTN_PDL_ENTRY();
@@ -900,10 +995,7 @@ santa_prop_budgets(const float* __restrict__ logits, const float* __restrict__ t
     return;
   }
   const int T_b = (int)((len + tile_size - 1) / tile_size);
-  const float* tm = tile_m + row * n_tiles;
-  float mxl = STOCHATTN_NEG_INF;
-  for (int t = tid; t < T_b; t += kSampleThreads) mxl = nan_max(mxl, tm[t]);
-  const float mstar_f = block_reduce(mxl, MaxF(), sm_f);
+  const float mstar_f = row_max(tile_m + row * n_tiles, T_b, sm_f);
   if (mstar_f != mstar_f || mstar_f == STOCHATTN_NEG_INF) {  // uniform over the block
     if (tid == 0) {
       budgets[row] = 1;
@@ -914,21 +1006,14 @@ santa_prop_budgets(const float* __restrict__ logits, const float* __restrict__ t
     }
     return;
   }
-  const double mstar = (double)mstar_f;
-  const float* xrow = logits + row * n_pad;
-  // The norms: one float32 per row, through V's page table with the norms' strides.
-  const BudgetRows sq = budget_rows(
-      sqnorms, 4,
-      page_table(kv_indptr, kv_indices, kv_last_page_len, page_size, sq_page_stride,
-                 sq_row_stride, sq_head_stride),
-      b, kvh, Hkv, N, 1);
+  // The row's chunks of santa_prop_second_moment, those that hold tokens.
+  const int chunks = (int)((len + kMomentChunk - 1) / kMomentChunk);
+  const double* prow = parts + row * n_chunks * 3;
   double num = 0.0, den = 0.0, vmax2 = 0.0;
-  for (long long j = tid; j < len; j += kSampleThreads) {
-    const double w = exp((double)xrow[j] - mstar);  // <= 1
-    const double sqv = (double)__ldg(sq.row_of<float>(j));
-    den += w;
-    num += w * sqv;
-    if (w > 0.0) vmax2 = fmax(vmax2, sqv);
+  for (int c = tid; c < chunks; c += kSampleThreads) {
+    num += prow[3 * c];
+    den += prow[3 * c + 1];
+    vmax2 = fmax(vmax2, prow[3 * c + 2]);
   }
   const float* orow_p = pilot_o + row * D;
   double y2 = 0.0;
