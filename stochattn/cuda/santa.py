@@ -501,8 +501,9 @@ def santa_prop_targeted(q, k, v, seq_lens=None, *, v_sqnorms, eps, delta, max_bu
        draws, the same Philox points); with ``norm="student"`` two launches, set A
        (S_A = max(1, pilot // 4) points, stream 1: its mean o_A) and set B (the rest,
        stream 2: its drawn rows);
-    3. ``santa_prop_budgets``: m2 = sum_j p_j ||v_j||^2 from the stash and ``v_sqnorms``,
-       L (pilot: the closed form from ||o_p|| and m2; student: the studentised bound along
+    3. ``santa_prop_second_moment`` (one CTA per row and 4096-token chunk: the sums of
+       m2 = sum_j p_j ||v_j||^2 from the stash and ``v_sqnorms``), then
+       ``santa_prop_budgets``: m2 from those sums in chunk order, L (pilot: the closed form from ||o_p|| and m2; student: the studentised bound along
        o_A from B's rows, with the range guard from the largest ||v_j||), S per head into
        a device (B, Hq) int32 array, with the capped flag and the error bound;
     4. ``santa_prop_sample_budgets``: the main draws of every row with its own S (purpose
@@ -551,8 +552,8 @@ def targeted_workspace_bytes(batch, q_heads, kv_heads, tokens, head_dim, max_bud
                              tile_size=64, sampler="systematic") -> int:
     """Scratch bytes of one :func:`santa_prop_targeted` call: :func:`workspace_bytes` at
     S = ``max_budget`` plus, per (b, h) row, the pilot sets' means (8 D), their drawn rows
-    (4 ``pilot``), their partials (16) and the budgets (32); each piece rounded up to 256
-    bytes."""
+    (4 ``pilot``), their partials (16), the budgets (32) and m2's chunk sums (24 per 4096
+    tokens); each piece rounded up to 256 bytes."""
     rows, groups = batch * q_heads, batch * kv_heads
     n_tiles = math.ceil(tokens / tile_size)
     return launch.layout(_scratch_sizes(rows, groups, n_tiles * tile_size, n_tiles, max_budget,
