@@ -318,6 +318,7 @@ def combine(plays_res, plays):
         rows.append(dict(label=lab, mass=c["mass"], value=c["value"], alpha=c["alpha"],
                          p1=c["p1"], p2=c["p2"], cluster_ratio=c.get("cluster_ratio", 16),
                          approx_weight=c.get("approx_weight", "estimate"),
+                         **({"margin": c["margin"]} if "margin" in c else {}),
                          plays=sorted(plays), positions=int(d.size),
                          delta_loss=mean, delta_loss_se=se,
                          delta_loss_ci95=[mean - 1.96 * se, mean + 1.96 * se],
@@ -403,6 +404,8 @@ def markdown_table(rows, err=None):
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         m = r["mass"] + ("" if r["alpha"] == 1.0 else f" (alpha {r['alpha']:g})")
+        if "margin" in r:
+            m += f" (margin {r['margin']:g})"
         if r.get("approx_weight", "estimate") == "exact":
             m += ", exact C_approx weights"
         lo, hi = r["ppl_change_ci95"]
@@ -464,7 +467,11 @@ def main(argv=None):
         meta = json.load(open(args.merge[0]))
         data = {k: meta[k] for k in ("date", "machine", "model", "n_tokens", "stride")}
         data.update({k: meta[k] for k in ("path", "xp") if k in meta})
-        data["skipped"] = sum((json.load(open(f)).get("skipped", []) for f in args.merge), [])
+        # runs a part left out that no other part ran, each once
+        ran = {(r["play"], r.get("seed", 0)) for r in per}
+        data["skipped"] = [dict(play=p, seed=sd) for p, sd in dict.fromkeys(
+            (x["play"], x.get("seed", 0)) for f in args.merge
+            for x in json.load(open(f)).get("skipped", [])) if (p, sd) not in ran]
         data["seconds"] = sum(json.load(open(f))["seconds"] for f in args.merge)
         data["per_play"] = per
         for group, ps in (("tuning", [p for p in plays if p in tuning]),
