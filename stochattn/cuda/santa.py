@@ -322,6 +322,15 @@ class _PropPlan:
                 name1 = decl1.expr(T=ctype, D=s.head_dim, **tiling.params())
                 smem1, align = tiling.smem_bytes(s.head_dim), max(tiling.align(), ts)
                 self.threads1 = tiling.threads
+            # First use: compile the plan's kernels in parallel threads, not one by one.
+            names = [name1, k("santa_prop_sample").expr(T=ctype, D=s.head_dim)]
+            if tiling is None:
+                names.append(k("santa_prop_tiles").expr())
+            if score.bernoulli:
+                names.append(k("bernoulli_qhat").expr(T=ctype))
+            if score.kfm_meta is not None:
+                names.append(k("bernoulli_logits_fm").expr(T=ctype, GMAX=gm))
+            launch.prefetch(_FAMILY, names, cfg)
             logits = launch.launcher(_FAMILY, name1, smem1, cfg)
             chunks, chunk_len = launch.split_tokens(_FAMILY, name1, smem1, cfg,
                                                      s.batch * s.kv_heads, s.tokens, align,
