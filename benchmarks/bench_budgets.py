@@ -62,6 +62,8 @@ def _host(x):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="batch 8 at 32k only")
+    ap.add_argument("--cases", default="1:32768,8:32768,8:131072,32:32768",
+                    help="comma-separated BATCH:TOKENS (--quick: 8:32768)")
     ap.add_argument("--max-budget", type=int, default=1024)
     ap.add_argument("--settings", default=",".join(SETTINGS),
                     help=f"comma-separated names of {sorted(SETTINGS)}")
@@ -76,7 +78,11 @@ def main(argv=None):
     unknown = [s for s in settings if s not in SETTINGS]
     if unknown:
         raise SystemExit(f"unknown --settings {unknown}; known: {sorted(SETTINGS)}")
-    cases = [(8, 32768)] if args.quick else [(1, 32768), (8, 32768), (8, 131072), (32, 32768)]
+    try:
+        cases = [(8, 32768)] if args.quick else [
+            tuple(int(n) for n in c.split(":")) for c in args.cases.split(",") if c.strip()]
+    except ValueError:
+        raise SystemExit(f"--cases: expected BATCH:TOKENS,..., got {args.cases!r}") from None
     meta = dict(date=time.strftime("%Y-%m-%d"), card=torch.cuda.get_device_name(),
                 torch=torch.__version__, python=platform.python_version(),
                 shape=dict(Hq=HQ, Hkv=HKV, D=D), dtype="float16", inputs=args.inputs,
