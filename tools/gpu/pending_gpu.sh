@@ -33,6 +33,10 @@
 #   bash tools/gpu/pending_gpu.sh prefetch-patch  # tools/gpu/patches/prefetch_first_use.patch: prop's and the
 #                                             #   split-KV merge's kernels compile in parallel on
 #                                             #   first use; tests, then tools/first_use.py cold
+#   bash tools/gpu/pending_gpu.sh student-patch   # the studentised bound in one pass, ILP 4:
+#                                             #   its tests, memcheck and bench_budgets
+#   bash tools/gpu/pending_gpu.sh budgets-profile # nsys: where the error-targeted call's
+#                                             #   remaining 1.19-1.53x over fixed S goes
 #
 # The kmeans-patch steps read their patches from the git-ignored benchmarks/results/tmp/ (they
 # left the tree; they are in git history as of commit 0d2bdc0). Extract them here, then carry
@@ -43,15 +47,17 @@
 #
 # Device time counts from the asking to the giving back, starts (a minute or more) and the
 # 30 s warm tail included: give each call BUDGET_S from status's budget_left_s less ~120 s.
-# First in the next session (left by the session of 2026-12-07, which ran budgets-tests,
-# budgets-sanitize, budgets-bench, paged-bench, paged-capacity and one first-use A/B):
-#   bash tools/gpu/pending_gpu.sh prefetch-patch   # the patch's GPU tests, then
-#   bash tools/gpu/first_use_ab.sh; bash tools/gpu/first_use_ab.sh   # repeat the A/B
-#   a timeline of the error-targeted prop chain (nsys, benchmarks/bench_budgets.py's B8/128k
-#     case): where its 1.3-3.1x over fixed S goes (docs/budgets.md)
-#   issue 31: Macbeth and seed 1 at 8k (tools/gpu/run_mass_study_gpu.sh with
-#     FIRST_SEED=1 SEEDS=1 TAG=b, and PLAYS=macbeth SEEDS=1 TAG=c; merge with part a, which
-#     is benchmarks/results/cluster_mass_8192_h100_2026-12-07.json's per_play)
+# First in the next session (left by the second session of 2026-12-07, whose device time
+# ran out after the moment-kernel change, the first-use A/B and the 8k study had run):
+#   bash tools/gpu/pending_gpu.sh student-patch budgets-profile
+#     (then land the patch if its tests pass and it is faster: docs/budgets.md, the
+#     student bullet of "On the GPU"; decide between folding m2's sums into pass 1 and
+#     fusing the pilot with the budget kernel from the profile)
+#   issue 31: Macbeth seed 1 at 8k (PLAYS=macbeth FIRST_SEED=1 SEEDS=1 TAG=e
+#     tools/gpu/run_mass_study_gpu.sh), merged into
+#     benchmarks/results/cluster_mass_8192_h100_2026-12-07_merged.json's runs
+#   the split-KV merge's prefetch (tools/gpu/patches/prefetch_first_use.patch, what is left
+#     of it): first_use_ab.sh with repeats, only if worth it
 # The plan before that, three calls back to back (then flash-ncu, pdl and revisions if time
 # is left):
 #   bash tools/gpu/pending_gpu.sh gpu-suite decode-sanitize
@@ -76,7 +82,8 @@ est() {
     decode-sanitize) echo 120 ;; flash-sanitize) echo 420 ;; flash-tune) echo 240 ;;
     kmeans-patch:*) echo 120 ;; read-floor) echo 60 ;; flash-ncu) echo 150 ;; pdl) echo 180 ;; revisions) echo 200 ;;
     paged-bench) echo 220 ;; paged-capacity) echo 40 ;; budgets-sanitize) echo 150 ;; prefetch-patch) echo 200 ;;
-    budgets-bench) echo 200 ;; budgets-tests) echo 150 ;;
+    budgets-bench) echo 200 ;; budgets-tests) echo 150 ;; student-patch) echo 120 ;;
+    budgets-profile) echo 120 ;;
     *) echo 60 ;;
   esac
 }
@@ -196,6 +203,20 @@ case "$1" in
     sanitizer_ok || return 3
     compute-sanitizer --tool memcheck --error-exitcode 9 $py tests/gpu/test_cuda_santa_budgets.py \
       2>&1 | tee "$out/budgets_sanitize.log" | tail -15 ;;
+  student-patch)
+    # tools/gpu/patches/student_one_pass.patch: the studentised bound's set-B projections
+    # in one pass, four gathers in flight per warp; its tests, memcheck, then the bench
+    P=tools/gpu/patches/student_one_pass.patch
+    git apply "$P" || return 1
+    $py tests/gpu/test_cuda_santa_budgets.py 2>&1 | tail -2
+    if sanitizer_ok; then
+      compute-sanitizer --tool memcheck --error-exitcode 9 $py tests/gpu/test_cuda_santa_budgets.py \
+        2>&1 | grep -E "passed|failed|ERROR SUMMARY"
+    fi
+    python3 -u -m benchmarks.run --routine budgets --out "$out/bench_budgets_student_patch" 2>&1 | tail -14
+    git apply -R "$P" ;;
+  budgets-profile)
+    CASES="8:131072 1:32768" bash tools/gpu/budgets_profile.sh 2>&1 | tail -44 ;;
   prefetch-patch)
     P=tools/gpu/patches/prefetch_first_use.patch
     [ -f "$P" ] || { echo "missing $P" >&2; return 1; }
@@ -217,6 +238,7 @@ for step in "$@"; do
     flash-ncu|pdl) ;;
     revisions|kmeans-patch:labels|kmeans-patch:both) ;;
     paged-bench|paged-capacity|budgets-sanitize|prefetch-patch|budgets-bench|budgets-tests) ;;
+    student-patch|budgets-profile) ;;
     *) echo "unknown step $step (see the header)" >&2; exit 2 ;;
   esac
 done
