@@ -126,3 +126,16 @@ def test_import_of_the_backend_loads_no_cupy_or_numba():
                          env=dict(os.environ, PYTHONPATH=REPO), timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]"
+
+
+def test_defaulted_template_parameter():
+    """``template <int kOnDemand = 0>`` (a plain kernel made a template so that NVRTC emits
+    it only into the module that names it): the default may be left out of expr()."""
+    template, defaults = abi._parse_template("int kOnDemand = 0")
+    assert template == (("int", "kOnDemand"),) and defaults == (("kOnDemand", 0),)
+    k = abi.Kernel("plain", template, (), defaults)
+    assert k.expr() == "plain<0>" == k.expr(kOnDemand=0)
+    assert k.expr(kOnDemand=1) == "plain<1>"
+    assert abi._parse_template("typename T, int D") == ((("typename", "T"), ("int", "D")), ())
+    with pytest.raises(TypeError, match="template parameters"):
+        k.expr(other=1)

@@ -71,6 +71,7 @@ class Kernel:
     name: str
     template: tuple  # (kind, name) pairs: ("typename", "T"), ("int", "D"), ("bool", "QHAT")
     args: tuple  # Arg per parameter, in order
+    defaults: tuple = ()  # (name, value) of the template parameters with a default
 
     @property
     def arg_names(self) -> tuple:
@@ -80,6 +81,7 @@ class Kernel:
         """The NVRTC name expression of one instantiation: every template parameter by its
         name (``bool`` ones as Python bools, types as C type strings)."""
         names = [n for _, n in self.template]
+        params = {**dict(self.defaults), **params}  # a defaulted parameter may be left out
         if set(params) != set(names):
             raise TypeError(f"{self.name} takes the template parameters {names}, got "
                             f"{sorted(params)}")
@@ -140,11 +142,17 @@ class Kernel:
 
 
 def _parse_template(text: str) -> tuple:
-    out = []
+    """``(((kind, name), ...), ((name, default), ...))``; a default is an integer literal
+    (``template <int kOnDemand = 0>``: the kernels that would otherwise be compiled into
+    every module of their family, see ``decode_common.cuh``)."""
+    out, defaults = [], []
     for part in (p.strip() for p in text.split(",") if p.strip()):
-        kind, name = part.rsplit(None, 1)
+        decl, eq, default = part.partition("=")
+        kind, name = decl.strip().rsplit(None, 1)
         out.append((kind.strip(), name))
-    return tuple(out)
+        if eq:
+            defaults.append((name, int(default.strip(), 0)))
+    return tuple(out), tuple(defaults)
 
 
 def _parse_args(kernel_name: str, text: str) -> tuple:
@@ -179,8 +187,9 @@ def kernels(family: str) -> dict:
     """``{name: Kernel}`` of every ``__global__`` kernel in the family's expanded source."""
     found = {}
     for m in _KERNEL.finditer(_text(family)):
-        template = _parse_template(m.group("template") or "")
-        k = Kernel(m.group("name"), template, _parse_args(m.group("name"), m.group("args")))
+        template, defaults = _parse_template(m.group("template") or "")
+        k = Kernel(m.group("name"), template, _parse_args(m.group("name"), m.group("args")),
+                   defaults)
         if found.setdefault(k.name, k) != k:
             raise ValueError(f"{family}: two different declarations of {k.name}")
     return found
