@@ -35,6 +35,8 @@
 #                                             #   first use; tests, then tools/first_use.py cold
 #   bash tools/gpu/pending_gpu.sh student-patch   # the studentised bound in one pass, ILP 4:
 #                                             #   its tests, memcheck and bench_budgets
+#   bash tools/gpu/pending_gpu.sh on-demand-patch # plain kernels compiled only where named:
+#                                             #   GPU tests, memcheck, first use cold A/B
 #   bash tools/gpu/pending_gpu.sh budgets-profile # nsys: where the error-targeted call's
 #                                             #   remaining 1.19-1.53x over fixed S goes
 #
@@ -49,6 +51,8 @@
 # 30 s warm tail included: give each call BUDGET_S from status's budget_left_s less ~120 s.
 # First in the next session (left by the second session of 2026-12-07, whose device time
 # ran out after the moment-kernel change, the first-use A/B and the 8k study had run):
+#   bash tools/gpu/pending_gpu.sh on-demand-patch   (land it if the tests pass: the
+#     first-use win measured on the CPU, docs/gpu.md "Kernels compiled on demand")
 #   bash tools/gpu/pending_gpu.sh student-patch budgets-profile
 #     (then land the patch if its tests pass and it is faster: docs/budgets.md, the
 #     student bullet of "On the GPU"; decide between folding m2's sums into pass 1 and
@@ -83,7 +87,7 @@ est() {
     kmeans-patch:*) echo 120 ;; read-floor) echo 60 ;; flash-ncu) echo 150 ;; pdl) echo 180 ;; revisions) echo 200 ;;
     paged-bench) echo 220 ;; paged-capacity) echo 40 ;; budgets-sanitize) echo 150 ;; prefetch-patch) echo 200 ;;
     budgets-bench) echo 200 ;; budgets-tests) echo 150 ;; student-patch) echo 120 ;;
-    budgets-profile) echo 120 ;;
+    budgets-profile) echo 120 ;; on-demand-patch) echo 330 ;;
     *) echo 60 ;;
   esac
 }
@@ -215,6 +219,27 @@ case "$1" in
     fi
     python3 -u -m benchmarks.run --routine budgets --out "$out/bench_budgets_student_patch" 2>&1 | tail -14
     git apply -R "$P" ;;
+  on-demand-patch)
+    # tools/gpu/patches/on_demand_kernels.patch: the six plain kernels of santa_prop and
+    # doublep_decode as templates, so NVRTC compiles them only into the module that names
+    # them (docs/gpu.md). nvcc sm_90: 82 of 86 instantiations byte-identical; bernoulli_qhat
+    # (f16, bf16) and doublep_rows<4|8, true> differ in register allocation only. Their
+    # GPU tests and those of every launch by name, memcheck of Bernoulli and Double-P
+    # sampled, then first use cold (empty CuPy cache) with the patch and without.
+    P=tools/gpu/patches/on_demand_kernels.patch
+    git apply "$P" || return 1
+    $py tests/gpu/test_cuda_bernoulli.py tests/gpu/test_cuda_doublep.py \
+      tests/gpu/test_cuda_doublep_sample.py tests/gpu/test_cuda_santa.py \
+      tests/gpu/test_cuda_santa_budgets.py tests/gpu/test_paged_doublep.py 2>&1 | tail -3
+    if sanitizer_ok; then
+      compute-sanitizer --tool memcheck --error-exitcode 9 $py tests/gpu/test_cuda_bernoulli.py \
+        tests/gpu/test_cuda_doublep_sample.py 2>&1 | grep -E "passed|failed|ERROR SUMMARY"
+    fi
+    CUPY_CACHE_DIR=$(mktemp -d) timeout 150 python3 -m tools.first_use --no-index-processes \
+      --out "$out/first_use_on_demand.json" 2>&1 | grep -E "first_s|total"
+    git apply -R "$P"
+    CUPY_CACHE_DIR=$(mktemp -d) timeout 150 python3 -m tools.first_use --no-index-processes \
+      --out "$out/first_use_landed.json" 2>&1 | grep -E "first_s|total" ;;
   budgets-profile)
     CASES="8:131072 1:32768" bash tools/gpu/budgets_profile.sh 2>&1 | tail -44 ;;
   prefetch-patch)
@@ -238,7 +263,7 @@ for step in "$@"; do
     flash-ncu|pdl) ;;
     revisions|kmeans-patch:labels|kmeans-patch:both) ;;
     paged-bench|paged-capacity|budgets-sanitize|prefetch-patch|budgets-bench|budgets-tests) ;;
-    student-patch|budgets-profile) ;;
+    student-patch|budgets-profile|on-demand-patch) ;;
     *) echo "unknown step $step (see the header)" >&2; exit 2 ;;
   esac
 done
