@@ -131,11 +131,14 @@ class BudgetChoice:
         L^2, the lower bound of ||o||^2 used (the exact ||o||^2 under ``norm="oracle"``).
     second_moment : ndarray of float64, shape (B, Hq)
         m2 = sum_j p_j ||v_j||^2.
-    pilot : int
-        Pilot draws per head (0 under ``norm="oracle"``); their cost counts.
+    pilot : int, or ndarray of int64, shape (B, Hq)
+        Pilot draws per head (0 under ``norm="oracle"``); their cost counts. Per head (an
+        array) under Double-P's ``norm="auto"``
+        (:func:`stochattn.reference.split_budgets.choose_split_budgets`), which sizes each
+        head's pilot, or draws none.
     rule, norm : str
-    delta_main, delta_pilot : float
-        How delta was split.
+    delta_main, delta_pilot : float, or ndarray of float64, shape (B, Hq)
+        How delta was split (per head under ``norm="auto"``).
     """
 
     budget: np.ndarray
@@ -143,11 +146,11 @@ class BudgetChoice:
     error_bound: np.ndarray
     norm_sq_lower: np.ndarray
     second_moment: np.ndarray
-    pilot: int
+    pilot: int | np.ndarray
     rule: str
     norm: str
-    delta_main: float
-    delta_pilot: float
+    delta_main: float | np.ndarray
+    delta_pilot: float | np.ndarray
 
     @property
     def cost(self) -> np.ndarray:
