@@ -104,3 +104,13 @@ def test_combine_leaves_out_a_configuration_some_run_lacks():
     a1 = _split(dict(a, seed=1), {"paper-0.95-0.7"})
     rows = ms.combine([a, a1], ["a"])[0]
     assert [r["label"] for r in rows] == ["paper-0.95-0.7"]
+
+
+def test_rows_without_paper_have_no_paired_difference():
+    """An --only part without paper at its setting (tools/gpu/run_mass_study_gpu.sh ONLY=):
+    its table prints, with NaN where the paired difference would be."""
+    rng = np.random.default_rng(4)
+    per = [dict(_play("a", [(_cfg("sub-near", "mean"), 0.01)], rng), seed=0)]
+    rows = ms.combine(per, ["a"])[0]
+    assert math.isnan(rows[0]["vs_paper"]) and math.isclose(rows[0]["delta_loss"], 0.01)
+    assert "nan" in ms.markdown_table(rows)

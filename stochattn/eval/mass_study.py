@@ -310,8 +310,10 @@ def combine(plays_res, plays):
         paper = _label("paper", "mean", 1.0, c["p1"], c["p2"], c.get("cluster_ratio", 16))
         if paper not in runs[0]["configs"]:
             paper = _label("paper", "mean", 1.0, c["p1"], c["p2"])
-        dp = np.concatenate([np.asarray(r["configs"][lab]["losses"])
-                             - np.asarray(r["configs"][paper]["losses"]) for r in runs])
+        # no paper at this setting in the runs (an --only part): no paired difference
+        dp = (np.concatenate([np.asarray(r["configs"][lab]["losses"])
+                              - np.asarray(r["configs"][paper]["losses"]) for r in runs])
+              if all(paper in r["configs"] for r in runs) else np.full(2, np.nan))
         mean, se = float(d.mean()), float(d.std(ddof=1) / math.sqrt(d.size))
         diag = {k: float(np.mean([r["configs"][lab]["diagnostics"][k] for r in runs]))
                 for k in runs[0]["configs"][lab]["diagnostics"]}
