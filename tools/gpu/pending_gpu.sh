@@ -33,8 +33,9 @@
 #   bash tools/gpu/pending_gpu.sh prefetch-patch  # tools/gpu/patches/prefetch_first_use.patch: prop's and the
 #                                             #   split-KV merge's kernels compile in parallel on
 #                                             #   first use; tests, then tools/first_use.py cold
-#   bash tools/gpu/pending_gpu.sh student-patch   # the studentised bound in one pass, ILP 4:
-#                                             #   its tests, memcheck and bench_budgets
+#   bash tools/gpu/pending_gpu.sh student-patch   # budgets_review.patch (review fixes and
+#                                             #   tests) then the studentised bound in one
+#                                             #   pass, ILP 4: tests, memcheck, bench_budgets
 #   bash tools/gpu/pending_gpu.sh on-demand-patch # plain kernels compiled only where named:
 #                                             #   GPU tests, memcheck, first use cold A/B
 #   bash tools/gpu/pending_gpu.sh budgets-profile # nsys: where the error-targeted call's
@@ -86,7 +87,7 @@ est() {
     decode-sanitize) echo 120 ;; flash-sanitize) echo 420 ;; flash-tune) echo 240 ;;
     kmeans-patch:*) echo 120 ;; read-floor) echo 60 ;; flash-ncu) echo 150 ;; pdl) echo 180 ;; revisions) echo 200 ;;
     paged-bench) echo 220 ;; paged-capacity) echo 40 ;; budgets-sanitize) echo 150 ;; prefetch-patch) echo 200 ;;
-    budgets-bench) echo 200 ;; budgets-tests) echo 150 ;; student-patch) echo 120 ;;
+    budgets-bench) echo 200 ;; budgets-tests) echo 150 ;; student-patch) echo 200 ;;
     budgets-profile) echo 120 ;; on-demand-patch) echo 330 ;;
     *) echo 60 ;;
   esac
@@ -208,17 +209,23 @@ case "$1" in
     compute-sanitizer --tool memcheck --error-exitcode 9 $py tests/gpu/test_cuda_santa_budgets.py \
       2>&1 | tee "$out/budgets_sanitize.log" | tail -15 ;;
   student-patch)
-    # tools/gpu/patches/student_one_pass.patch: the studentised bound's set-B projections
-    # in one pass, four gathers in flight per warp; its tests, memcheck, then the bench
-    P=tools/gpu/patches/student_one_pass.patch
-    git apply "$P" || return 1
+    # tools/gpu/patches/budgets_review.patch (the review of 2026-12-07: positive weight
+    # decided in float64 for vmax, a NaN the tensor-core tile maxima dropped caught by the
+    # budget kernel; tests over several 4096-token chunks, contiguous and paged, S_B = 53,
+    # a NaN key on both pass-1 kernels), then student_one_pass.patch (the studentised
+    # bound's set-B projections in one pass, four gathers in flight per warp): the budgets
+    # tests with the first alone, then with both, memcheck, then the bench.
+    R=tools/gpu/patches/budgets_review.patch P=tools/gpu/patches/student_one_pass.patch
+    git apply "$R" || return 1
+    $py tests/gpu/test_cuda_santa_budgets.py 2>&1 | tail -2
+    git apply "$P" || { git apply -R "$R"; return 1; }
     $py tests/gpu/test_cuda_santa_budgets.py 2>&1 | tail -2
     if sanitizer_ok; then
       compute-sanitizer --tool memcheck --error-exitcode 9 $py tests/gpu/test_cuda_santa_budgets.py \
         2>&1 | grep -E "passed|failed|ERROR SUMMARY"
     fi
     python3 -u -m benchmarks.run --routine budgets --out "$out/bench_budgets_student_patch" 2>&1 | tail -14
-    git apply -R "$P" ;;
+    git apply -R "$P"; git apply -R "$R" ;;
   on-demand-patch)
     # tools/gpu/patches/on_demand_kernels.patch: the six plain kernels of santa_prop and
     # doublep_decode as templates, so NVRTC compiles them only into the module that names
