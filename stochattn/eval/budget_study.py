@@ -625,9 +625,10 @@ def make_row_estimator(row: dict, log: list):
 
 
 def run_accuracy(play, rows, *, n_tokens=2048, first=1024, stride=16, seeds=3, weights=None,
-                 log=print):
+                 log=print, make=make_row_estimator):
     """Teacher-forced loss change vs exact per row (evaluate.py's protocol and CI: Student's
-    t over seeds of the mean loss change; seed s, offset = chunk * n_layers + layer)."""
+    t over seeds of the mean loss change; seed s, offset = chunk * n_layers + layer).
+    ``make(row, log)`` builds a row's estimator (default :func:`make_row_estimator`)."""
     from .llm.evaluate import _t975, evaluated_positions, load_tokens, teacher_forced_losses
     from .llm.forward import forward, token_losses
     from .llm.model import load_model
@@ -642,7 +643,7 @@ def run_accuracy(play, rows, *, n_tokens=2048, first=1024, stride=16, seeds=3, w
         t0 = time.perf_counter()
         calls, per_seed = [], []
         for s in range(seeds):
-            f = make_row_estimator(row, calls)
+            f = make(row, calls)
             losses = np.asarray(teacher_forced_losses(weights, tokens, pos, f, prefix, seed=s))
             per_seed.append(float(losses.mean()))
         d = np.asarray(per_seed) - float(exact.mean())

