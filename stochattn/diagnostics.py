@@ -45,6 +45,11 @@ class Diagnostics:
     error_bound : ndarray of float64, shape (B, Hq), optional
         The relative tolerance the chosen S guarantees at ``delta`` (inf if |o| could not
         be bounded).
+    budget_pilot : ndarray of int64, shape (B, Hq), optional
+        Error-targeted budgets: the pilot draws each head made to choose its S (the
+        plan's ``pilot`` on every head that draws; per head under Double-P's
+        ``budget_norm="auto"``, 0 where it took no pilot). A head's draws are
+        ``budget + budget_pilot``.
     """
 
     seq_lens: np.ndarray
@@ -61,6 +66,7 @@ class Diagnostics:
     budget: np.ndarray | None = None
     budget_capped: np.ndarray | None = None
     error_bound: np.ndarray | None = None
+    budget_pilot: np.ndarray | None = None
 
     @property
     def k_read_fraction(self) -> np.ndarray:

@@ -591,7 +591,8 @@ def _diagnostics(lens, d) -> Diagnostics:
                        clusters_selected=d["clusters_selected"], clusters_exact=d["clusters_exact"],
                        tokens_exact=d["tokens_exact"], estimated_mass=d["estimated_mass"],
                        true_mass=d["true_mass"], budget=d.get("budget"),
-                       budget_capped=d.get("budget_capped"), error_bound=d.get("error_bound"))
+                       budget_capped=d.get("budget_capped"), error_bound=d.get("error_bound"),
+                       budget_pilot=d.get("budget_pilot"))
 
 
 def doublep_attention(q, k, v=None, seq_lens=None, *, index, p1=0.95, p2=0.7, approx="centroid",

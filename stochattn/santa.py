@@ -360,6 +360,8 @@ def _santa_reference(q, k, v, seq_lens, plan, seed, offset, diagnose, v_sqnorms=
         budget=None if choice is None else choice.budget,
         budget_capped=None if choice is None else choice.capped,
         error_bound=None if choice is None else choice.error_bound,
+        budget_pilot=None if choice is None else (
+            choice.pilot * (choice.second_moment > 0)).astype(np.int64),
     )
     return out, diag
 
@@ -463,7 +465,8 @@ def _santa_cuda_targeted(q, k, v, seq_lens, plan, seed, offset, return_diagnosti
     if not return_diagnostics:
         return res
     out, idx, _pilot_idx, dev = res
-    extra = dict(budget=host_ints(dev.budget).astype(np.int64),
-                 budget_capped=host_ints(dev.capped).astype(bool),
-                 error_bound=host_floats(dev.error_bound))
+    budget = host_ints(dev.budget).astype(np.int64)
+    extra = dict(budget=budget, budget_capped=host_ints(dev.capped).astype(bool),
+                 error_bound=host_floats(dev.error_bound),
+                 budget_pilot=np.where(budget > 0, plan.pilot, 0).astype(np.int64))
     return out, _cuda_diagnostics(host_ints(idx), k, seq_lens, extra)

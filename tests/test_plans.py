@@ -342,6 +342,7 @@ def test_error_targeted_budgets_through_the_plan():
     out, diag = plan.diagnose(q, k, v, lens, seed=2, offset=3)
     assert diag.budget.shape == (2, 4) and diag.budget.dtype == np.int64
     assert np.all((diag.budget >= 1) & (diag.budget <= 512))
+    assert np.array_equal(diag.budget_pilot, np.full((2, 4), plan.pilot))  # every head drew
     b, h = 0, 1
     fixed = SantaPlan(budget=int(diag.budget[b, h]), sampler="stratified").run(q, k, v, lens, seed=2,
                                                                                offset=3)

@@ -178,6 +178,14 @@ def test_doublep_heads_draw_what_a_fixed_budget_call_draws(norm):
     S = d["budget"]
     assert S.shape == (2, 4) and (S > 0).any() and (S <= 4000).all()
     assert np.isfinite(d["error_bound"]).all() or d["budget_capped"].any()
+    # the pilot's draws per head: the plan's pilot on every drawing head (auto: per head,
+    # within the cap), none where nothing is drawn
+    P = d["budget_pilot"]
+    assert P.shape == (2, 4) and P.dtype == np.int64 and np.all(P[S == 0] == 0)
+    if norm == "auto":
+        assert np.all((P >= 0) & (P <= 64))
+    else:
+        assert np.all(P[S > 0] == (0 if norm == "oracle" else 64))
     for s in np.unique(S[S > 0]):
         ref, rd = doublep_attention(q, k, v, lens, index, budget=int(s), **opts)
         for b, h in zip(*np.nonzero(S == s)):
@@ -261,6 +269,8 @@ def test_public_doublep_with_eps_is_the_reference():
     assert np.array_equal(diag.budget, d["budget"]) and (diag.budget > 0).any()
     assert np.array_equal(diag.budget_capped, d["budget_capped"])
     assert np.array_equal(diag.error_bound, d["error_bound"])
+    assert np.array_equal(diag.budget_pilot, d["budget_pilot"])
+    assert np.all(diag.budget_pilot[diag.budget > 0] == 64)
     plan = DoublePPlan(approx="sample", eps=0.2, delta=0.1, max_budget=500, p1=0.95, p2=0.5)
     sq = bd.value_sqnorms(v)
     a = plan.run(q, k, v, lens, index=index, seed=3, offset=1, v_sqnorms=sq)

@@ -198,26 +198,6 @@ def markdown(rows):
 # (``python -m stochattn.eval.split_budget_study accuracy``; budget_study's protocol).
 # ---------------------------------------------------------------------------------------
 
-class _RecordSplitBudgets:
-    """Records (budget, pilot) of every ``choose_split_budgets`` call the reference
-    doublep_attention makes (one per head with a non-empty C_approx) while active."""
-
-    def __enter__(self):
-        from ..reference import split_budgets as sb
-        self._sb, self._f, self.budget, self.pilot = sb, sb.choose_split_budgets, [], []
-
-        def rec(*a, **kw):
-            ch = self._f(*a, **kw)
-            self.budget.append(int(ch.budget[0]))
-            self.pilot.append(int(np.broadcast_to(ch.pilot, ch.budget.shape)[0]))
-            return ch
-        sb.choose_split_budgets = rec
-        return self
-
-    def __exit__(self, *exc):
-        self._sb.choose_split_budgets = self._f
-
-
 def make_doublep_row_estimator(row: dict, log: list, *, p1=0.95, p2=0.7, cluster_ratio=16,
                                indices=None):
     """``f(q, k, v, lens, *, seed, offset)`` of one row: public ``doublep_attention`` at
@@ -247,12 +227,11 @@ def make_doublep_row_estimator(row: dict, log: list, *, p1=0.95, p2=0.7, cluster
             live = int((d.clusters_selected > d.clusters_exact).sum())
             S, pilot, capped = live * row["S"], 0, 0
         else:
-            with _RecordSplitBudgets() as r:
-                out, d = doublep_attention(q, k, v, lens, eps=row["eps"], delta=row["delta"],
-                                           max_budget=row["max_budget"],
-                                           budget_rule=row["rule"], budget_norm="auto",
-                                           pilot=row["pilot"], **kw)
-            live, S, pilot = len(r.budget), sum(r.budget), sum(r.pilot)
+            out, d = doublep_attention(q, k, v, lens, eps=row["eps"], delta=row["delta"],
+                                       max_budget=row["max_budget"], budget_rule=row["rule"],
+                                       budget_norm="auto", pilot=row["pilot"], **kw)
+            live = int((d.clusters_selected > d.clusters_exact).sum())
+            S, pilot = int(d.budget.sum()), int(d.budget_pilot.sum())
             capped = int(d.budget_capped.sum())
         log.append(dict(heads=live, S=S, pilot=pilot, capped=capped,
                         vread=int(np.asarray(d.v_rows_read).sum()), kv_rows=P * Hkv,

@@ -186,7 +186,8 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
       chooses for its C_approx (the exact part's output and weight known, the pilot drawn
       from C_approx), the same points as a fixed-budget call with that S. ``v_sqnorms``
       (B, Hkv, N): the per-token ||v_j||^2 kept beside the cache (computed from ``v`` when
-      None). Diagnostics ``budget``, ``budget_capped``, ``error_bound`` (B, Hq).
+      None). Diagnostics ``budget``, ``budget_capped``, ``error_bound``, ``budget_pilot``
+      (B, Hq).
     - ``token_sets``: add ``token_set`` (B, Hq, N) int8 to the diagnostics: 1 for the
       tokens computed exactly (sinks, window, C_exact), 2 for C_approx's, 0 elsewhere.
     - ``mass_diagnostics``: add per query head ``cluster_true_mass`` (the true mass of
@@ -226,7 +227,8 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
         from .budgets import value_sqnorms
         from .split_budgets import choose_split_budgets
         sqn = value_sqnorms(v) if v_sqnorms is None else np.asarray(v_sqnorms, dtype=np.float64)
-        for key, dt in (("budget", np.int64), ("budget_capped", bool), ("error_bound", float)):
+        for key, dt in (("budget", np.int64), ("budget_capped", bool), ("error_bound", float),
+                        ("budget_pilot", np.int64)):
             diag[key] = np.zeros((B, Hq), dtype=dt)
         picks_of = {}
     elif approx == "sample":
@@ -326,6 +328,8 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
                         diag["budget"][b, h] = ch.budget[0]
                         diag["budget_capped"][b, h] = ch.capped[0]
                         diag["error_bound"][b, h] = ch.error_bound[0]
+                        diag["budget_pilot"][b, h] = np.broadcast_to(ch.pilot,
+                                                                     ch.budget.shape)[0]
                         pts = sample_points(sampler, int(ch.budget[0]), seed=seed,
                                             offset=offset, row=b * Hq + h, stream=0,
                                             purpose=PURPOSE_CLUSTER_SAMPLER, heads=Hq)
