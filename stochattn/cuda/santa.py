@@ -513,8 +513,9 @@ def santa_prop_targeted(q, k, v, seq_lens=None, *, v_sqnorms, eps, delta, max_bu
     3. ``santa_prop_second_moment`` (one CTA per row and 4096-token chunk: the sums of
        m2 = sum_j p_j ||v_j||^2 from the stash and ``v_sqnorms``), then
        ``santa_prop_budgets``: m2 from those sums (a fixed order), L (pilot: the closed
-       form from ||o_p|| and m2; student: the studentised bound along o_A from B's rows, with the range guard from the largest ||v_j||), S per head into
-       a device (B, Hq) int32 array, with the capped flag and the error bound;
+       form from ||o_p|| and m2; student: the studentised bound along o_A from B's rows,
+       with the range guard from the largest ||v_j||), S per head into a device (B, Hq)
+       int32 array, with the capped flag and the error bound;
     4. ``santa_prop_sample_budgets``: the main draws of every row with its own S (purpose
        0: a row with S draws exactly what a fixed-S call draws).
 
