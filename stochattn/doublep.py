@@ -57,6 +57,9 @@ __all__ = ["ClusterTopKPlan", "DoublePIndex", "DoublePPlan", "build_doublep_inde
            "cluster_topk_attention", "doublep_attention"]
 
 APPROX = ("centroid", "sample")
+#: Cluster mass estimators of an index (``build_doublep_index(mass=)``) and of the decode
+#: (``doublep_attention(mass=)``): the paper's centroid mass, or the sub-centroid mass (issue 31).
+INDEX_MASSES = ("paper", "sub")
 
 
 @dataclass(eq=False)
@@ -102,6 +105,16 @@ class DoublePIndex:
         The key rows at those positions, exact copies: float64 (float32 on a GPU index,
         on its device); 0 where the position is -1. Appends never change a token's key,
         so the fingerprint stays valid as the index grows.
+    sub_centroids : ndarray, shape (B, Hkv, C, m, D), or None
+        With ``build_doublep_index(..., mass="sub")`` only (None otherwise: the paper
+        index, unchanged): the key means of m sub-clusters of each cluster, from the
+        recursive principal splits of
+        :func:`stochattn.reference.cluster_mass.index_sub_stats` (issue 31); float64
+        (float32 on a GPU index). Read by ``mass="sub"`` decodes.
+    sub_sizes : ndarray, shape (B, Hkv, C, m), or None
+        Their sizes, int64 (int32 on a GPU index), summing to ``sizes``: an append adds
+        each token to the nearest sub-centroid of its cluster
+        (:func:`~stochattn.reference.cluster_mass.append_sub_tokens`).
     """
 
     centroids: np.ndarray
@@ -116,6 +129,14 @@ class DoublePIndex:
     n_initialized: np.ndarray
     fingerprint_positions: np.ndarray | None = None
     fingerprint_keys: np.ndarray | None = None
+    sub_centroids: np.ndarray | None = None
+    sub_sizes: np.ndarray | None = None
+
+    @property
+    def mass(self) -> str:
+        """``"sub"`` when the index carries sub-centroids (built with ``mass="sub"``), else
+        ``"paper"``: the cluster mass estimators its decodes may use."""
+        return "paper" if self.sub_centroids is None else "sub"
 
     @property
     def value_means(self) -> np.ndarray:
@@ -147,7 +168,8 @@ class DoublePIndex:
             Batch ``sum(index.batch)``, entries in order; every array is a new copy (on the
             GPU for GPU indexes, which must all come from one framework and one device).
             The fingerprints (:meth:`check_keys`) are stacked too when every index has
-            one; otherwise the stack has none.
+            one; otherwise the stack has none. Likewise the sub-centroids (``mass="sub"``),
+            when every index has them with the same count.
 
         Raises
         ------
@@ -198,7 +220,7 @@ class DoublePIndex:
                    labels=np.concatenate(labels, axis=0), seq_lens=cat("seq_lens"),
                    window_start=cat("window_start"), n_sink=first.n_sink, window=first.window,
                    n_clusters=first.n_clusters, n_initialized=cat("n_initialized"),
-                   **_stacked_fingerprints(indexes, cat))
+                   **_stacked_fingerprints(indexes, cat), **_stacked_sub(indexes, cat))
 
     def csr(self):
         """Tokens grouped by cluster, the layout a GPU kernel reads contiguously.
@@ -223,7 +245,10 @@ class DoublePIndex:
         Call after writing the new tokens into the cache. Tokens in
         ``[window_start, max(n_sink, L' - window))`` join their nearest centroid (sizes and
         value sums updated, centroids unchanged), in position order; while a (b, KV head)
-        still has clusters without a centroid, a token seeds one instead. Appending one
+        still has clusters without a centroid, a token seeds one instead. An index with
+        sub-centroids (``mass="sub"``) adds each token to the nearest sub-centroid of its
+        cluster (:func:`stochattn.reference.cluster_mass.append_sub_tokens`; sub-centroids
+        unchanged, as the centroids). Appending one
         token at a time gives the same index, bit for bit, as appending many at once.
 
         On a GPU index, ``k`` and ``v`` must be arrays of the index's framework and device
@@ -274,9 +299,15 @@ class DoublePIndex:
             grown = np.full(self.labels.shape[:2] + (N,), -1, dtype=self.labels.dtype)
             grown[..., :self.labels.shape[-1]] = self.labels
             self.labels = grown
+        start = self.window_start.copy()
         _km.append_tokens(self.centroids, self.sizes, self.value_sums, self.labels,
                           self.window_start, self.n_initialized, k, v, new,
                           self.n_sink, self.window)
+        if self.sub_centroids is not None:
+            from .reference.cluster_mass import append_sub_tokens
+
+            append_sub_tokens(self.sub_centroids, self.sub_sizes, self.centroids, k, self.labels,
+                              start, self.window_start)
         self.seq_lens = new
 
     @property
@@ -415,6 +446,16 @@ def _compare_fingerprint(positions, recorded, got, available) -> None:
     )
 
 
+def _stacked_sub(indexes, cat) -> dict:
+    """The stacked sub-centroids (``mass="sub"``) when every index has them with one count,
+    else none."""
+    if any(ix.sub_centroids is None for ix in indexes):
+        return {}
+    if len({int(ix.sub_sizes.shape[-1]) for ix in indexes}) != 1:
+        return {}
+    return dict(sub_centroids=cat("sub_centroids"), sub_sizes=cat("sub_sizes"))
+
+
 def _stacked_fingerprints(indexes, cat) -> dict:
     """The fingerprint fields of a stack (``cat`` concatenates one field along the batch):
     stacked when every index has a fingerprint, none otherwise."""
@@ -445,7 +486,8 @@ def _gpu_index():
 
 
 def build_doublep_index(k, v=None, seq_lens=None, *, n_clusters, iterations=10, n_sink=4, window=64,
-                        seed=0, tol=_km.DEFAULT_TOL, check_finite=False) -> DoublePIndex:
+                        seed=0, tol=_km.DEFAULT_TOL, check_finite=False, mass="paper",
+                        n_sub=4) -> DoublePIndex:
     """Prefill: k-means index of the middle tokens of every (sequence, KV head).
 
     Parameters
@@ -483,6 +525,15 @@ def build_doublep_index(k, v=None, seq_lens=None, *, n_clusters, iterations=10, 
     check_finite : bool
         Check that k and v hold no NaN or inf (reads the data; off by default; on the GPU
         a synchronisation).
+    mass : {"paper", "sub"}
+        The cluster mass estimators the index serves (issue 31). ``"paper"`` (default): the
+        centroids and sizes only. ``"sub"``: also ``n_sub`` sub-centroids per cluster and
+        their sizes (:attr:`DoublePIndex.sub_centroids`, ``sub_sizes``; the recursive
+        principal splits of :func:`stochattn.reference.cluster_mass.index_sub_stats`), for
+        ``doublep_attention(..., mass="sub")``. Host indexes only for now: a GPU build with
+        ``mass="sub"`` raises ``NotImplementedError`` (its path waits for its GPU tests).
+    n_sub : int
+        Sub-centroids per cluster with ``mass="sub"``: a power of two.
 
     Returns
     -------
@@ -507,15 +558,22 @@ def build_doublep_index(k, v=None, seq_lens=None, *, n_clusters, iterations=10, 
     >>> index.sizes.sum(axis=-1)  # middle tokens: 300 - 4 sinks - 64 window
     array([[232, 232]])
     """
+    mass = val.check_choice("mass", mass, INDEX_MASSES)
+    if mass == "sub":
+        n_sub = val.check_positive_int("n_sub", n_sub)
+        if n_sub & (n_sub - 1):
+            raise ValueError(f"`n_sub` must be a power of two, got {n_sub}")
     if is_paged(k) and k.device == "cuda":  # gathered into a contiguous temporary on the GPU
-        return DoublePIndex(**_gpu_index().build_index_gpu(
+        index = DoublePIndex(**_gpu_index().build_index_gpu(
             k, v, seq_lens, n_clusters=n_clusters, iterations=iterations, n_sink=n_sink,
             window=window, seed=seed, tol=tol, check_finite=check_finite))
+        return _with_sub_gpu(index, k, mass, n_sub)
     k, v, seq_lens = _unpaged(k, v, seq_lens)
     if backend_of(k=k, v=v) == "cuda":
-        return DoublePIndex(**_gpu_index().build_index_gpu(
+        index = DoublePIndex(**_gpu_index().build_index_gpu(
             k, v, seq_lens, n_clusters=n_clusters, iterations=iterations, n_sink=n_sink,
             window=window, seed=seed, tol=tol, check_finite=check_finite))
+        return _with_sub_gpu(index, k, mass, n_sub)
     backend_of(k=k, v=v, seq_lens=seq_lens)  # host seq_lens only, for the reference
     B, Hkv, N, D = val.check_kv_inputs(k, v, seq_lens)
     n_clusters, iterations, n_sink, window, seed = val.check_index_options(
@@ -524,8 +582,25 @@ def build_doublep_index(k, v=None, seq_lens=None, *, n_clusters, iterations=10, 
         val.check_finite(k=k, v=v)
     lens = lengths(seq_lens, B, N)
     arrays = _km.build_index(k, v, lens, n_clusters, iterations, n_sink, window, seed, tol)
-    return DoublePIndex(seq_lens=lens.copy(), n_sink=n_sink, window=window, n_clusters=n_clusters,
-                        **arrays, **_fingerprint(k, lens))
+    index = DoublePIndex(seq_lens=lens.copy(), n_sink=n_sink, window=window,
+                         n_clusters=n_clusters, **arrays, **_fingerprint(k, lens))
+    if mass == "sub":
+        from .reference.cluster_mass import index_sub_stats
+
+        index.sub_centroids, index.sub_sizes = index_sub_stats(k, lens, index, n_sub=n_sub)
+    return index
+
+
+#: Why ``mass="sub"`` has no GPU path yet (the index build and the decode).
+_SUB_GPU_MISSING = ("the sub-centroid mass (`mass='sub'`): the reference has it, the GPU "
+                    "kernels wait for their GPU tests (tools/gpu/patches/doublep_sub.patch)")
+
+
+def _with_sub_gpu(index, k, mass, n_sub):
+    """A GPU index as built (``mass == "sub"``: a clear error until the GPU path lands)."""
+    if mass == "sub":
+        raise NotImplementedError(f"`mass`: {_SUB_GPU_MISSING}")
+    return index
 
 
 def _check_index(index, shape, seq_lens):
@@ -599,7 +674,7 @@ def doublep_attention(q, k, v=None, seq_lens=None, *, index, p1=0.95, p2=0.7, ap
                       budget=None, sampler="systematic", seed=0, offset=0, softmax_scale=None,
                       check_finite=False, return_diagnostics=False, eps=None, delta=None,
                       max_budget=None, budget_rule="chebyshev", pilot=64, pilot_share=0.25,
-                      budget_norm="pilot", v_sqnorms=None):
+                      budget_norm="pilot", v_sqnorms=None, mass="paper"):
     """Double-P decode: cluster-level top-p, then exact tokens or approximations per cluster.
 
     Stage 1 keeps the shortest set C_p of clusters (by centroid-estimated mass
@@ -658,6 +733,17 @@ def doublep_attention(q, k, v=None, seq_lens=None, *, index, p1=0.95, p2=0.7, ap
     v_sqnorms : array (B, Hkv, N), optional
         ||v_j||^2 per token (:func:`stochattn.value_sqnorms`), read with ``eps``; computed
         from ``v`` when left out.
+    mass : {"paper", "sub"}
+        The clusters' estimated mass log Zhat_i (issue 31): ``"paper"`` (default)
+        ``scale q.C_i + log s_i``; ``"sub"`` the logsumexp over the cluster's sub-centroids
+        of ``scale q.c_ia + log s_ia`` (an index built with ``mass="sub"``; ``ValueError``
+        naming `index` otherwise), a tighter estimate of the members' logsumexp (it never
+        overshoots). It orders both stages and is the pseudo-token logit of the centroid
+        variant (whose value stays the cluster's value mean), as the reference's
+        ``mass="sub", value="mean"`` (:func:`stochattn.reference.doublep.doublep_attention`).
+        The reference backend only for now: a GPU call is refused with the reason (the
+        kernel, which reads the m sub-centroids instead of the centroid, waits for its GPU
+        tests).
     seed, offset : int
         Random stream of ``approx="sample"`` (``0 <= seed < 2**64``, ``0 <= offset < 2**32``).
     softmax_scale : float, optional
@@ -699,7 +785,7 @@ def doublep_attention(q, k, v=None, seq_lens=None, *, index, p1=0.95, p2=0.7, ap
                        budget=budget, sampler=sampler, softmax_scale=softmax_scale,
                        check_finite=check_finite, eps=eps, delta=delta, max_budget=max_budget,
                        budget_rule=budget_rule, pilot=pilot, pilot_share=pilot_share,
-                       budget_norm=budget_norm)
+                       budget_norm=budget_norm, mass=mass)
     call = dict(index=index, seed=seed, offset=offset)
     if v_sqnorms is not None:
         call["v_sqnorms"] = v_sqnorms
@@ -764,6 +850,14 @@ def cluster_topk_attention(q, k, v=None, seq_lens=None, *, index, k_clusters=Non
                          dict(index=index))
 
 
+def _check_index_mass(index, mass) -> None:
+    """A ``mass="sub"`` decode needs an index with sub-centroids (``ValueError`` naming
+    `index`); a paper decode reads any index."""
+    if mass == "sub" and isinstance(index, DoublePIndex) and index.sub_centroids is None:
+        raise ValueError("`index` has no sub-centroids, which mass='sub' reads: build it with "
+                         "build_doublep_index(..., mass='sub')")
+
+
 class _DecodePlan(AttentionPlan):
     """What the two decode plans share: the index per call, its checks, the GPU path."""
 
@@ -797,6 +891,7 @@ class _DecodePlan(AttentionPlan):
 
     def _decode(self, backend, q, k, v, seq_lens, diagnose, index, seed, offset, out=None,
                 workspace=None, v_sqnorms=None):
+        _check_index_mass(index, getattr(self, "mass", "paper"))
         if backend == "cuda":
             return _decode_cuda(self.function, q, k, v, seq_lens, index, self.softmax_scale,
                                 self.check_finite, diagnose, out=out, workspace=workspace,
@@ -847,8 +942,9 @@ class DoublePPlan(_DecodePlan):
     def __init__(self, *, p1=0.95, p2=0.7, approx="centroid", budget=None,
                  sampler="systematic", advance_offset=False, eps=None, delta=None,
                  max_budget=None, budget_rule="chebyshev", pilot=64, pilot_share=0.25,
-                 budget_norm="pilot", **common):
+                 budget_norm="pilot", mass="paper", **common):
         self.advance_offset = val.check_bool("advance_offset", advance_offset)
+        self.mass = val.check_choice("mass", mass, INDEX_MASSES)
         self.p1 = val.check_probability("p1", p1)
         self.p2 = val.check_probability("p2", p2)
         if self.p1 < self.p2 < 1.0:  # stage 2 works inside C_p: its mass cannot pass p1
@@ -889,13 +985,16 @@ class DoublePPlan(_DecodePlan):
                     sampler=self.sampler, advance_offset=self.advance_offset, eps=self.eps,
                     delta=self.delta, max_budget=self.max_budget, budget_rule=self.budget_rule,
                     pilot=self.pilot, pilot_share=self.pilot_share,
-                    budget_norm=self.budget_norm, **super().options())
+                    budget_norm=self.budget_norm, mass=self.mass, **super().options())
 
     def _cuda_missing(self) -> list[str]:
+        missing = []
         if self.eps is not None:
-            return ["error-targeted budgets (`eps`) of Double-P's sampled variant; the "
-                    "reference has them, the GPU kernels not yet"]
-        return []
+            missing.append("error-targeted budgets (`eps`) of Double-P's sampled variant; the "
+                           "reference has them, the GPU kernels not yet")
+        if self.mass == "sub":
+            missing.append(_SUB_GPU_MISSING)
+        return missing
 
     def _kernel_options(self, seed, offset) -> dict:
         if self.approx == "centroid":
@@ -908,6 +1007,11 @@ class DoublePPlan(_DecodePlan):
             eps=self.eps, delta=self.delta, max_budget=self.max_budget,
             budget_rule=self.budget_rule, budget_norm=self.budget_norm, pilot=self.pilot,
             pilot_share=self.pilot_share, v_sqnorms=v_sqnorms)
+        if self.mass == "sub":  # the index's own sub-centroids, as the GPU reads them
+            from .reference.cluster_mass import sub_only_stats
+
+            targeted.update(mass="sub", mass_stats=sub_only_stats(index.sub_centroids,
+                                                                  index.sub_sizes))
         return _ref.doublep_attention(q, k, v, lens, index, p1=self.p1, p2=self.p2,
                                       approx=self.approx, budget=self.budget,
                                       sampler=self.sampler, seed=seed, offset=offset, scale=scale,

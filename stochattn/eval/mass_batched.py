@@ -62,7 +62,7 @@ from stochattn.reference import cluster_mass as cm
 
 __all__ = ["STAT_FIELDS", "LayerIndex", "decode_core", "decode_index_batched", "doublep_batched",
            "exact_log_mass", "index_stats_batched", "log_mass_batched", "run_play_batched",
-           "select_batched", "state_stats", "value_batched"]
+           "select_batched", "state_stats", "sub_stats", "value_batched"]
 
 #: Fields of the statistics table (those of ClusterStats plus the members' value mean).
 STAT_FIELDS = tuple(cm.ClusterStats.__dataclass_fields__) + ("vmean",)
@@ -145,7 +145,7 @@ def _top_eigs(xp, cov, r, squarings, rel=1e-12):
 
 def _sub_split(xp, X, W, msk, m, u0, squarings):
     """Sub-clusters of the reference's recursive principal splits (``cluster_mass._split``),
-    level by level: a part splits by the sign of its members' projection on its top
+    level by level (``W`` None: no value means): a part splits by the sign of its members' projection on its top
     principal direction (``p < 0`` left, else right, left parts first); a part of at most
     one member, or whose split leaves a side empty, stays whole in the first slot of its
     block and never splits again. Returns sizes (n, m), key and value means (n, m, D)."""
@@ -183,7 +183,7 @@ def _sub_split(xp, X, W, msk, m, u0, squarings):
     sizes = oh.sum(1)
     ohT = oh.transpose(0, 2, 1)
     den = xp.maximum(sizes, 1.0)[..., None]
-    return sizes, xp.matmul(ohT, X) / den, xp.matmul(ohT, W) / den
+    return sizes, xp.matmul(ohT, X) / den, None if W is None else xp.matmul(ohT, W) / den
 
 
 def _chunk_stats(xp, X, W, msk, s, r, m, squarings):
@@ -248,6 +248,19 @@ def state_stats(xp, K, V, src, starts, sizes, tok, *, rank=4, n_sub=4, budget=1 
                radius=z(S), proj_max=z((S, r)), perp_radius=z(S), sub_means=z((S, m, D)),
                sub_values=z((S, m, D)), sub_sizes=z((S, m)), cross=z((S, r, D)),
                vmean=z((S, D)))
+    for js, sj, pos, msk, s in _member_chunks(xp, src, starts, sz_h, tok, D, budget):
+        X = K[sj, pos].astype(xp.float64)
+        W = V[sj, pos].astype(xp.float64)
+        res = _chunk_stats(xp, X, W, msk, s, r, m, squarings)
+        for f, val in res.items():
+            out[f][js] = val
+    return out
+
+
+def _member_chunks(xp, src, starts, sz_h, tok, D, budget):
+    """The non-empty member sets, by size, in chunks of at most ``budget`` padded elements:
+    per chunk the sets' ids ``js``, sources ``sj`` (n, 1), member positions ``pos`` (n,
+    smax) (padded with the set's first), the mask of real members and the sizes."""
     order = np.argsort(sz_h, kind="stable")
     order = order[sz_h[order] > 0]
     src_x = xp.asarray(_host(src).astype(np.int64))
@@ -264,15 +277,27 @@ def state_stats(xp, K, V, src, starts, sizes, tok, *, rank=4, n_sub=4, budget=1 
         ar = xp.arange(smax)
         msk = ar[None, :] < s[:, None]
         idx = xp.where(msk, st_x[js][:, None] + ar[None, :], st_x[js][:, None])
-        pos = tok[idx]
-        sj = src_x[js][:, None]
-        X = K[sj, pos].astype(xp.float64)
-        W = V[sj, pos].astype(xp.float64)
-        res = _chunk_stats(xp, X, W, msk, s, r, m, squarings)
-        for f, val in res.items():
-            out[f][js] = val
+        yield js, src_x[js][:, None], tok[idx], msk, s
         a = b
-    return out
+
+
+def sub_stats(xp, K, src, starts, sizes, tok, *, n_sub=4, budget=1 << 22, squarings=20):
+    """Only the sub-centroids of :func:`state_stats` (the same recursive principal splits,
+    :func:`_sub_split`, every level's direction by ``squarings`` squarings of the part's
+    covariance): ``(sub_sizes (S, m), sub_means (S, m, D))`` float64 xp arrays, 0 for empty
+    sets and parts. ``K`` (R, T, D) in any float dtype (each chunk's members are widened to
+    float64); the other arguments as :func:`state_stats`. What the GPU index build of
+    ``mass="sub"`` runs (:func:`stochattn.cuda.doublep_sub.sub_stats_gpu`)."""
+    if n_sub < 1 or n_sub & (n_sub - 1):
+        raise ValueError(f"`n_sub`: expected a power of two >= 1, got {n_sub}")
+    D = K.shape[-1]
+    sz_h = _host(sizes).astype(np.int64)
+    S = sz_h.size
+    out_sizes, out_means = xp.zeros((S, n_sub)), xp.zeros((S, n_sub, D))
+    for js, sj, pos, msk, s in _member_chunks(xp, src, starts, sz_h, tok, D, budget):
+        X = K[sj, pos].astype(xp.float64)
+        out_sizes[js], out_means[js], _ = _sub_split(xp, X, None, msk, n_sub, None, squarings)
+    return out_sizes, out_means
 
 
 def _as_cluster_stats(d):

@@ -42,7 +42,7 @@ __all__ = ["MASS_ESTIMATORS", "VALUE_ESTIMATES", "ClusterStats", "member_stats",
            "cluster_member_stats", "stats_at", "log_mass", "log_mass_paper", "log_mass_mean", "log_mass_diag_var",
            "log_mass_pca", "log_mass_clipped", "log_mass_bennett", "log_mass_subcentroid",
            "log_mass_exact", "value_tilt", "value_sub", "summary_vectors", "refined_mask",
-           "log_mass_refined"]
+           "log_mass_refined", "index_sub_stats", "sub_only_stats", "append_sub_tokens"]
 
 #: Names accepted by :func:`log_mass` (and by the reference Double-P's ``mass=``).
 MASS_ESTIMATORS = ("paper", "mean", "diag-var", "pca", "pca-clip", "bennett", "sub", "exact",
@@ -215,6 +215,87 @@ def index_stats(k, v, seq_lens, index, *, rank=4, n_sub=4) -> ClusterStats:
     fields = ClusterStats.__dataclass_fields__
     return ClusterStats(**{f: np.stack([getattr(p, f) for p in per]).reshape(
         (B, Hkv) + getattr(per[0], f).shape) for f in fields})
+
+
+def index_sub_stats(k, seq_lens, index, *, n_sub=4):
+    """Only the sub-centroids of :func:`index_stats` (the same split, :func:`_split`):
+    ``(sub_means (B, Hkv, C, m, D) float64, sub_sizes (B, Hkv, C, m) int64)`` of every
+    (sequence, KV head) of a Double-P index, from the keys ``k`` (B, Hkv, N, D). What
+    ``build_doublep_index(..., mass="sub")`` stores (the index's ``sub_centroids`` and
+    ``sub_sizes``); 0 for empty parts and clusters."""
+    from .kmeans import cluster_csr
+
+    if n_sub < 1 or n_sub & (n_sub - 1):
+        raise ValueError(f"`n_sub`: expected a power of two >= 1, got {n_sub}")
+    B, Hkv, C = index.sizes.shape
+    D = k.shape[-1]
+    means = np.zeros((B, Hkv, C, n_sub, D))
+    sizes = np.zeros((B, Hkv, C, n_sub), dtype=np.int64)
+    offsets, token_ids = cluster_csr(index.labels, index.sizes, index.window_start, index.n_sink)
+    for b in range(B):
+        L = int(seq_lens[b])
+        for h in range(Hkv):
+            K = np.asarray(k[b, h, :L], dtype=np.float64)
+            for c in range(C):
+                tok = token_ids[b, h, offsets[b, h, c]:offsets[b, h, c + 1]]
+                if tok.size == 0:
+                    continue
+                X = K[tok]
+                for a, part in enumerate(_split(X, np.arange(tok.size), n_sub)):
+                    if part.size:
+                        sizes[b, h, c, a] = part.size
+                        means[b, h, c, a] = X[part].mean(axis=0)
+    return means, sizes
+
+
+def sub_only_stats(sub_means, sub_sizes) -> ClusterStats:
+    """A :class:`ClusterStats` holding only the sub-centroids (``sub_means`` (..., C, m, D),
+    ``sub_sizes`` (..., C, m), e.g. a Double-P index's ``sub_centroids`` and ``sub_sizes``),
+    float64, for ``mass="sub"`` with ``value="mean"`` (the estimators that read nothing
+    else). Rank 0; every other field is NaN (``sub_values`` included), so an estimator that
+    needs them gives NaN rather than a quiet wrong answer."""
+    sm = np.asarray(sub_means, dtype=np.float64)
+    ss = np.asarray(sub_sizes, dtype=np.float64)
+    if sm.shape[:-1] != ss.shape:
+        raise ValueError(f"`sub_sizes` must have shape {sm.shape[:-1]} (sub_means' less the "
+                         f"last axis), got {ss.shape}")
+    lead, D = sm.shape[:-2], sm.shape[-1]
+    nan = lambda *shape: np.full(lead + shape, np.nan)  # noqa: E731
+    return ClusterStats(mean=nan(D), var=nan(D), basis=nan(0, D), eig=nan(0), rest=nan(),
+                        radius=nan(), proj_max=nan(0), perp_radius=nan(),
+                        sub_means=sm, sub_values=np.full(sm.shape, np.nan), sub_sizes=ss,
+                        cross=nan(0, D))
+
+
+def append_sub_tokens(sub_means, sub_sizes, centroids, k, labels, start, stop):
+    """The sub-centroids' part of an append (:meth:`stochattn.doublep.DoublePIndex.append`),
+    in place, after the tokens ``[start[b], stop[b])`` of each sequence got their cluster
+    (``labels``): in position order, a token of cluster c joins the sub-centroid of c
+    nearest its key (smallest ``|k - c_a|^2``, ties to the lowest part) among the parts of
+    size > 0, and that part's size grows by one; sub-centroids never move (as the
+    centroids). A cluster with no part of size > 0 (seeded by an append, or left empty by
+    the k-means) takes the token in part 0, whose sub-centroid becomes the cluster's
+    centroid (for a seeded cluster, the seeding key). So the parts' sizes keep summing to
+    the cluster's size, and one token at a time gives the same arrays as many at once.
+
+    Arrays: ``sub_means`` (B, Hkv, C, m, D), ``sub_sizes`` (B, Hkv, C, m), ``centroids``
+    (B, Hkv, C, D), ``k`` (B, Hkv, N, D), ``labels`` (B, Hkv, N); ``start``, ``stop`` (B,).
+    """
+    B, Hkv = sub_sizes.shape[:2]
+    for b in range(B):
+        for t in range(int(start[b]), int(stop[b])):
+            for h in range(Hkv):
+                c = int(labels[b, h, t])
+                if c < 0:
+                    continue
+                live = np.flatnonzero(sub_sizes[b, h, c] > 0)
+                if live.size == 0:
+                    sub_means[b, h, c, 0] = centroids[b, h, c]
+                    a = 0
+                else:
+                    d = np.asarray(k[b, h, t], dtype=np.float64) - sub_means[b, h, c, live]
+                    a = int(live[np.argmin((d * d).sum(axis=-1))])  # first minimum: lowest
+                sub_sizes[b, h, c, a] += 1
 
 
 def stats_at(stats: ClusterStats, *idx) -> ClusterStats:
