@@ -50,6 +50,14 @@
 #
 # Device time counts from the asking to the giving back, starts (a minute or more) and the
 # 30 s warm tail included: give each call BUDGET_S from status's budget_left_s less ~120 s.
+# Left by the third session of 2026-12-07 (no GPU came: every start failed), two more
+# patches, each of which brings its own step into this file, so apply it first and run the
+# step in a second invocation (never edit this script while it runs):
+#   git apply tools/gpu/patches/kmeans_raw.patch && bash tools/gpu/pending_gpu.sh kmeans-raw
+#     (issue 30: the warm index build through the k-means cubins without importing Numba;
+#     branch raw-kmeans; GPU tests, then first use cold / warm raw / warm Numba)
+#   git apply tools/gpu/patches/doublep_sub.patch && bash tools/gpu/pending_gpu.sh doublep-sub
+#     (issue 31: Double-P mass="sub" on the GPU; branch gpu-sub; tests, memcheck, B8/128k)
 # First in the next session (left by the second session of 2026-12-07, whose device time
 # ran out after the moment-kernel change, the first-use A/B and the 8k study had run):
 #   bash tools/gpu/pending_gpu.sh on-demand-patch   (land it if the tests pass: the
