@@ -52,10 +52,11 @@ def test_reference_path_refuses_a_second_cluster_count():
         ms.run_play("hamlet", configs=[_cfg("paper", "mean", 8)])
 
 
-def test_grid_8k_labels_are_unique_and_each_row_has_its_paper():
-    labels = [c["label"] for c in ms.GRID_8K]
+@pytest.mark.parametrize("grid", ["8k", "8k-sub"])
+def test_grid_labels_are_unique_and_each_row_has_its_paper(grid):
+    labels = [c["label"] for c in ms.GRIDS[grid]]
     assert len(labels) == len(set(labels))
-    for c in ms.GRID_8K:
+    for c in ms.GRIDS[grid]:
         assert ms._label("paper", "mean", 1.0, c["p1"], c["p2"]) in labels
 
 

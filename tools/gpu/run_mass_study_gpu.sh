@@ -31,7 +31,7 @@
 #       cluster_mass_8192_part_b.json --tuning hamlet macbeth \
 #       --out benchmarks/results/cluster_mass_8192_<date>.json
 #
-# Environment: PLAYS (default "othello king-lear hamlet macbeth": the report plays first),
+# Environment: GRID (8k; 8k-sub: mass_study.GRID_8K_SUB, wider cuts for sub), PLAYS (default "othello king-lear hamlet macbeth": the report plays first),
 # SEEDS (2), FIRST_SEED (0), TOKENS (8192), STRIDE (4), BUDGET_S (300), STUDY_TIMEOUT
 # (380), TAG (a), SKIP_TEST (unset), ONLY (unset: every configuration; else labels, e.g. the
 # configurations a grid gained since an earlier part, which --merge joins to that part's runs). Results and logs go to $OUT (or benchmarks/results/tmp).
@@ -61,7 +61,7 @@ if [ -z "${SKIP_TEST:-}" ]; then
 fi
 tag="${TAG:-a}"
 # shellcheck disable=SC2086
-timeout "${STUDY_TIMEOUT:-380}" python3 -m stochattn.eval.mass_study --batched --xp cupy --grid 8k \
+timeout "${STUDY_TIMEOUT:-380}" python3 -m stochattn.eval.mass_study --batched --xp cupy --grid "${GRID:-8k}" \
     --tokens "${TOKENS:-8192}" --stride "${STRIDE:-4}" --seeds "${SEEDS:-2}" \
     --first-seed "${FIRST_SEED:-0}" --budget-s "${BUDGET_S:-300}" \
     --plays ${PLAYS:-othello king-lear hamlet macbeth} ${ONLY:+--only $ONLY} \
