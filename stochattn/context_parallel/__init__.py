@@ -7,8 +7,9 @@ contiguous shard; shards may be empty, and with ``seq_lens`` shorter than the ca
 may hold no live token). Every algorithm is written as phases: a local phase per rank, a
 collective, a local phase per rank. ``comm.local_ranks`` are the ranks this process drives:
 all of them in :class:`SimulatedCollectives`, one in a torch.distributed / NCCL
-implementation (not written: no multi-GPU machine this session), so the same code runs in
-both.
+implementation (:class:`~stochattn.context_parallel.dist.TorchCollectives`, over
+``torch.distributed``: NCCL or Gloo), so the same code runs in both, with the same bits
+(``python -m stochattn.context_parallel.check`` under torchrun checks it).
 
 - :func:`cp_exact_attention`: per rank the split-KV partial (max m, sum l, weighted sum
   acc) over its shard, one all-gather, :func:`merge_partials`.

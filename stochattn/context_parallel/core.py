@@ -82,10 +82,9 @@ class Collectives:
     A process drives the ranks ``local_ranks``; every method takes one value per local
     rank (a list in ``local_ranks`` order, the same shape and dtype on every rank) and
     returns one result per local rank. :class:`SimulatedCollectives` drives all ranks in
-    one process; a torch.distributed / NCCL implementation (one process per GPU, launched
-    by torchrun) would drive one, ``local_ranks = (dist.get_rank(),)``, and map
-    ``all_gather`` to ``dist.all_gather_into_tensor`` and ``all_reduce`` to
-    ``dist.all_reduce`` (SUM / MAX). Not written here (no multi-GPU machine).
+    one process; :class:`~stochattn.context_parallel.dist.TorchCollectives` (one process
+    per rank over ``torch.distributed``, launched by torchrun) drives one,
+    ``local_ranks = (dist.get_rank(),)``.
     """
 
     world_size: int
