@@ -77,6 +77,19 @@
 #   bash tools/gpu/pending_gpu.sh flash-tune kmeans-patch:labels kmeans-patch:both
 #   bash tools/gpu/pending_gpu.sh flash-sanitize read-floor
 #   bash tools/gpu/pending_gpu.sh flash-ncu pdl revisions
+#
+# THE QUEUE, in order of value (the fourth session of 2026-12-07: no GPU came in any session
+# that day after the second; every start failed, ~90-180 s of device time each). Apply a
+# patch alone on main, run its step, then `git apply -R` it before the next patch:
+#   1. issue 30: kmeans_raw.patch + kmeans-raw (~300 s), then on-demand-patch (~330 s)
+#   2. issue 31: doublep_sub.patch + doublep-sub (~420 s); the wider cuts for sub,
+#      GRID=8k-sub PLAYS="hamlet macbeth othello king-lear" SEEDS=1 TAG=s
+#      bash tools/gpu/run_mass_study_gpu.sh (after run_llm_eval_gpu.sh install; tuning
+#      plays hamlet macbeth), then Macbeth seed 1 (below)
+#   3. issue 32: student-patch budgets-profile (~320 s); doublep_budgets.patch +
+#      doublep-budgets (~480 s)
+#   4. issue 30's decode loop again on the landed tree (run_llm_eval_gpu.sh run loop) and
+#      the prefetch rest
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=".:${PYTHONPATH:-}"
