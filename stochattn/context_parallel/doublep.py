@@ -1,5 +1,6 @@
-"""Context-parallel Double-P (``approx="centroid"``): per-rank k-means indexes and the
-global top-p over the all-gathered cluster scores (docs/context_parallel.md)."""
+"""Context-parallel Double-P: per-rank k-means indexes, the global top-p over the
+all-gathered cluster scores, both approximations of C_approx (``approx="centroid"`` and
+``"sample"``) (docs/context_parallel.md)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ import numpy as np
 
 from ..reference.doublep import tokens_of, cluster_scores, select_clusters
 from ..reference.kmeans import build_index, cluster_csr, window_starts
-from .core import Collectives, CPResult, Shard, _bad, _finish, _local, _merge_packed, _pack
+from ..reference.rng import PURPOSE_CLUSTER_SAMPLER
+from ..reference.samplers import sample_points
+from ..reference.santa import last_positive, merge_scales, searchsorted_rows
+from ..spec import SAMPLERS
+from .core import (Collectives, CPResult, Shard, _bad, _finish, _local, _merge_packed, _pack,
+                   combine_partials)
 
 
 # ---------------------------------------------------------------------------------------
@@ -66,17 +72,42 @@ def union_index(shards, indexes, *, n_sink: int, window: int):
                         n_initialized=sum(ix["n_initialized"] for ix in indexes))
 
 
+APPROX = ("centroid", "sample")
+
+
+def _check_decode(approx, budget, sampler):
+    """The variant's options, checked before any collective (every rank raises alike)."""
+    if approx not in APPROX:
+        raise ValueError(f"`approx` must be one of {APPROX}, got {approx!r}")
+    if approx == "centroid":
+        if budget is not None:
+            raise ValueError(f"`budget` is read by approx='sample' only, got {budget!r}")
+        return
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 1:
+        raise ValueError(f"`budget` must be an int >= 1 with approx='sample', got {budget!r}")
+    if sampler not in SAMPLERS:
+        raise ValueError(f"`sampler` must be one of {SAMPLERS}, got {sampler!r}")
+
+
 def cp_doublep_attention(q, shards, indexes, comm: Collectives, scale: float, *, p1: float,
-                         p2: float, n_sink: int, window: int) -> CPResult:
-    """Double-P (``approx="centroid"``) over per-rank indexes; see the module docstring.
+                         p2: float, n_sink: int, window: int, approx: str = "centroid",
+                         budget=None, sampler: str = "systematic", seed: int = 0,
+                         offset: int = 0) -> CPResult:
+    """Double-P over per-rank indexes (docs/context_parallel.md).
 
     Cluster g = r * C + i (rank-major) is rank r's cluster i; the global selection is
-    ``select_clusters`` over the non-empty clusters in that order (ties to the lower g).
+    ``select_clusters`` over the non-empty clusters in that order (ties to the lower g),
+    from one all-gather of the (B, Hq, C) scores. Then ``approx="centroid"``: each rank's
+    partial over its exact tokens and its C_approx pseudo-tokens, one all-gather,
+    :func:`merge_partials`. ``approx="sample"`` (``budget`` points of ``sampler`` per row,
+    ``seed``, ``offset``; the reference's stream): see :func:`_sample_partials`, one more
+    all-gather of 3 floats per (b, h). ``CPResult.indices`` (sampled, all ranks in this
+    process) are the drawn positions (B, Hq, budget), -1 where a row draws nothing.
     """
+    _check_decode(approx, budget, sampler)
     local = _local(comm, shards)
-    B, Hq, D = q.shape
-    Hkv = local[0].k.shape[1]
-    G, C = Hq // Hkv, indexes[0]["sizes"].shape[-1]
+    B, Hq, _ = q.shape
+    G, C = Hq // local[0].k.shape[1], indexes[0]["sizes"].shape[-1]
     by_rank = {s.rank: ix for s, ix in zip(shards, indexes)}
     q64 = np.asarray(q, dtype=np.float64)
     # Phase 1: cluster scores (-inf for empty clusters), all-gathered.
@@ -91,49 +122,166 @@ def cp_doublep_attention(q, shards, indexes, comm: Collectives, scale: float, *,
                 xs[b, h, ids] = xbar
         scores.append(xs)
     gathered = comm.all_gather(scores)  # (R, B, Hq, C)
-    packs, diags = [], []
-    for s, g in zip(local, gathered):
-        ix = by_rank[s.rank]
-        ns, mid_end, ws = _shard_ranges(s, n_sink, window)
-        offsets, token_ids = cluster_csr(ix["labels"], ix["sizes"], mid_end, ns)
-        means = np.divide(ix["value_sums"], ix["sizes"][..., None],
-                          out=np.zeros_like(ix["value_sums"]), where=ix["sizes"][..., None] > 0)
-        m, l, acc = np.zeros((B, Hq)), np.zeros((B, Hq)), np.zeros((B, Hq, D))
-        d = {k: np.zeros((B, Hq), dtype=np.int64)
-             for k in ("clusters_selected", "clusters_exact", "tokens_exact")}
-        d["selected"] = np.full((B, Hq, g.shape[0] * C), -1, dtype=np.int64)
-        for b in range(B):
-            L, Lr = int(s.seq_lens[b]), int(s.lens[b])
-            # Sinks and window of the sequence, those on this rank, in local positions.
-            base = np.concatenate([np.arange(min(n_sink, L)), np.arange(ws[b], L)]) - s.start
-            base = base[(base >= 0) & (base < Lr)].astype(np.int64)
-            for h in range(Hq):
-                kvh = h // G
-                flat = g[:, b, h].reshape(-1)  # rank-major cluster scores
-                gids = np.flatnonzero(~np.isneginf(flat))
-                order, n_p, n_e, _ = select_clusters(flat[gids], p1, p2)
-                sel = gids[order[:n_p]]
-                own = (sel // C) == s.rank
-                ex = sel[:n_e][own[:n_e]] % C
-                ap = sel[n_e:][own[n_e:]] % C
-                exact = np.concatenate([base, tokens_of(ex, offsets[b, kvh],
-                                                         token_ids[b, kvh])]).astype(np.int64)
-                K = np.asarray(s.k[b, kvh, :Lr], dtype=np.float64)
-                V = np.asarray(s.v[b, kvh, :Lr], dtype=np.float64)
-                xe = ((K @ q64[b, h]) * scale)[exact]  # as the reference: all, then pick
-                xa = g[s.rank, b, h, ap]
-                mx = max(xe.max(initial=-np.inf), xa.max(initial=-np.inf))
-                if np.isfinite(mx):
-                    we, wa = np.exp(xe - mx), np.exp(xa - mx)
-                    m[b, h], l[b, h] = mx, we.sum() + wa.sum()
-                    acc[b, h] = we @ V[exact] + wa @ means[b, kvh, ap]
-                d["clusters_selected"][b, h], d["clusters_exact"][b, h] = n_p, n_e
-                d["tokens_exact"][b, h] = exact.size
-                d["selected"][b, h, :n_p] = sel
-        packs.append(_pack(m, l, acc))
-        diags.append(d)
+    # Phase 2: the global selection (the same on every rank), this rank's part of it.
+    picked = [_select(s, by_rank[s.rank], g, p1=p1, p2=p2, n_sink=n_sink, window=window, G=G)
+              for s, g in zip(local, gathered)]
+    indices = None
+    if approx == "centroid":
+        packs = [_centroid_partial(q64, s, by_rank[s.rank], g, rows, scale, G)
+                 for s, g, (rows, _) in zip(local, gathered, picked)]
+    else:
+        packs, idx, drawn = _sample_partials(q64, local, [p[0] for p in picked], comm, scale,
+                                             G, budget=int(budget), sampler=sampler,
+                                             seed=seed, offset=offset)
+        if len(idx) == comm.world_size:  # test bookkeeping: each point from exactly one rank
+            assert ((np.stack(idx) >= 0).sum(axis=0) == drawn[..., None]).all()
+            indices = np.max(np.stack(idx), axis=0)
     outs = [_merge_packed(g) for g in comm.all_gather(packs)]
+    diags = [d for _, d in picked]
     diag = dict(diags[0])
     diag["tokens_exact"] = sum(d["tokens_exact"] for d in diags)  # test bookkeeping
     return CPResult(_finish(comm, shards, q, outs, [_bad(q, s) for s in local]),
-                    diagnostics=diag)
+                    indices=indices, diagnostics=diag)
+
+
+def _select(s: Shard, ix, g, *, p1, p2, n_sink, window, G):
+    """Rank s's part of the global selection from the gathered scores ``g`` (R, B, Hq, C).
+
+    Returns ``rows``: per (b, h) ``(exact, ap, approx_tokens)``, this rank's exact tokens
+    (its sinks and window tokens, then its C_exact clusters' tokens in selection order), its
+    C_approx clusters (local ids, selection order) and their tokens in ascending position,
+    all local; and the diagnostics (global, the same on every rank, but ``tokens_exact``).
+    """
+    R, B, Hq, C = g.shape
+    ns, mid_end, ws = _shard_ranges(s, n_sink, window)
+    offsets, token_ids = cluster_csr(ix["labels"], ix["sizes"], mid_end, ns)
+    d = {k: np.zeros((B, Hq), dtype=np.int64)
+         for k in ("clusters_selected", "clusters_exact", "tokens_exact")}
+    d["selected"] = np.full((B, Hq, R * C), -1, dtype=np.int64)
+    rows = {}
+    for b in range(B):
+        L, Lr = int(s.seq_lens[b]), int(s.lens[b])
+        # Sinks and window of the sequence, those on this rank, in local positions.
+        base = np.concatenate([np.arange(min(n_sink, L)), np.arange(ws[b], L)]) - s.start
+        base = base[(base >= 0) & (base < Lr)].astype(np.int64)
+        for h in range(Hq):
+            kvh = h // G
+            flat = g[:, b, h].reshape(-1)  # rank-major cluster scores
+            gids = np.flatnonzero(~np.isneginf(flat))
+            order, n_p, n_e, _ = select_clusters(flat[gids], p1, p2)
+            sel = gids[order[:n_p]]
+            own = (sel // C) == s.rank
+            ex = sel[:n_e][own[:n_e]] % C
+            ap = sel[n_e:][own[n_e:]] % C
+            exact = np.concatenate([base, tokens_of(ex, offsets[b, kvh], token_ids[b, kvh])])
+            rows[b, h] = (exact.astype(np.int64), ap,
+                          np.sort(tokens_of(ap, offsets[b, kvh], token_ids[b, kvh])))
+            d["clusters_selected"][b, h], d["clusters_exact"][b, h] = n_p, n_e
+            d["tokens_exact"][b, h] = exact.size
+            d["selected"][b, h, :n_p] = sel
+    return rows, d
+
+
+def _kv(s: Shard, b: int, kvh: int):
+    Lr = int(s.lens[b])
+    return (np.asarray(s.k[b, kvh, :Lr], dtype=np.float64),
+            np.asarray(s.v[b, kvh, :Lr], dtype=np.float64))
+
+
+def _centroid_partial(q64, s: Shard, ix, g, rows, scale: float, G: int):
+    """Rank s's packed (m, l, acc): its exact tokens and its C_approx pseudo-tokens
+    (logit xbar_i, value Vbar_i), as the reference mixes them."""
+    B, Hq, D = q64.shape
+    means = np.divide(ix["value_sums"], ix["sizes"][..., None],
+                      out=np.zeros_like(ix["value_sums"]), where=ix["sizes"][..., None] > 0)
+    m, l, acc = np.zeros((B, Hq)), np.zeros((B, Hq)), np.zeros((B, Hq, D))
+    for (b, h), (exact, ap, _) in rows.items():
+        K, V = _kv(s, b, h // G)
+        xe = ((K @ q64[b, h]) * scale)[exact]  # as the reference: all, then pick
+        xa = g[s.rank, b, h, ap]
+        mx = max(xe.max(initial=-np.inf), xa.max(initial=-np.inf))
+        if np.isfinite(mx):
+            we, wa = np.exp(xe - mx), np.exp(xa - mx)
+            m[b, h], l[b, h] = mx, we.sum() + wa.sum()
+            acc[b, h] = we @ V[exact] + wa @ means[b, h // G, ap]
+    return _pack(m, l, acc)
+
+
+def _sample_partials(q64, local, rows_of, comm: Collectives, scale: float, G: int, *,
+                     budget: int, sampler: str, seed: int, offset: int):
+    """``approx="sample"``: per local rank its packed (m, l, acc) and its drawn positions
+    (B, Hq, S), -1 for the points of other ranks; and where any rank draws (B, Hq).
+
+    C_approx's tokens in ascending position are, over contiguous shards, rank order and
+    then local order, so the global CDF is each rank's local CDF placed after the earlier
+    ranks' totals (prop's ``exchange="totals"``):
+
+    1. Local, per (b, h): the rank's exact logits and C_approx logits (ascending position)
+       shifted by m_r, the max over both (the reference's shift when R = 1); the exact
+       part (m_r, l_e, acc_e); the total (m_r, c_r, z_r), c_r the end of the C_approx
+       weights' running sum (the CDF's total, as ``invert_cdf`` forms it) and z_r their
+       sum (the weight, as the reference's z_a).
+    2. One all-gather of the totals, 3 floats per (b, h).
+    3. Every rank merges the totals as tiles are merged (the same numbers on every rank):
+       f_r = exp(m_r - m*) over the ranks with mass, W_r = f_r c_r, prefix Cr, Z = Cr[-1].
+       It draws the reference's points T (purpose PURPOSE_CLUSTER_SAMPLER, row b Hq + h,
+       stream 0) and keeps those whose rank, the first with Cr > T Z (clipped to the last
+       with mass), is its own; it inverts them in its prefix Cr[r-1] + f_r C_r, which ends
+       at Cr[r] bit for bit (clipped to its last positive weight), and sums their V rows P_r.
+    4. Its partial: the exact part at m_r and the approximate part at m* with weight
+       f_r z_r and numerator Z_A P_r / S, Z_A = sum_r f_r z_r; over the ranks these add up
+       to the reference's z_a mean(v_J) and z_a.
+    """
+    B, Hq, D = q64.shape
+    S = budget
+    totals, parts = [], []
+    for s, rows in zip(local, rows_of):
+        tot = np.zeros((B, Hq, 3))
+        m_e, l_e, acc_e = np.zeros((B, Hq)), np.zeros((B, Hq)), np.zeros((B, Hq, D))
+        cdfs = {}
+        for (b, h), (exact, _, tokens) in rows.items():
+            K, V = _kv(s, b, h // G)
+            x = (K @ q64[b, h]) * scale  # as the reference: all, then pick
+            xe, xa = x[exact], x[tokens]
+            mx = max(xe.max(initial=-np.inf), xa.max(initial=-np.inf))  # max shift
+            if not np.isfinite(mx):
+                continue
+            we, wa = np.exp(xe - mx), np.exp(xa - mx)
+            m_e[b, h], l_e[b, h], acc_e[b, h] = mx, we.sum(), we @ V[exact]
+            if tokens.size:
+                c = np.cumsum(wa)  # the rank's CDF over C_approx, unnormalised
+                tot[b, h] = mx, c[-1], wa.sum()
+                cdfs[b, h] = c, wa
+        totals.append(tot)
+        parts.append((m_e, l_e, acc_e, cdfs))
+    gathered = comm.all_gather(totals)  # (R, B, Hq, 3) on every rank
+    rows_bh = np.arange(B * Hq, dtype=np.int64).reshape(B, Hq)  # row = b * Hq + h
+    points = sample_points(sampler, S, seed=seed, offset=offset, row=rows_bh, stream=0,
+                           purpose=PURPOSE_CLUSTER_SAMPLER, heads=Hq)  # (B, Hq, S)
+    packs, idx = [], []
+    for s, rows, (m_e, l_e, acc_e, cdfs), g in zip(local, rows_of, parts, gathered):
+        mr, cr, zr = (np.moveaxis(g[..., i], 0, -1) for i in range(3))  # (B, Hq, R)
+        mstar, f = merge_scales(mr, cr > 0)  # the ranks merged as reduce_tiles merges tiles
+        Wr = f * cr
+        Cr = np.cumsum(Wr, axis=-1)  # the ranks' prefix on the global CDF
+        Z = Cr[..., -1]
+        target = points * Z[..., None]
+        owner = np.minimum(searchsorted_rows(Cr, target), last_positive(Wr)[..., None])
+        mine = (owner == s.rank) & (Z > 0)[..., None]
+        J = np.full((B, Hq, S), -1, dtype=np.int64)
+        P = np.zeros((B, Hq, D))
+        for b, h in zip(*np.nonzero(mine.any(axis=-1))):
+            c, wa = cdfs[b, h]
+            before = Cr[b, h, s.rank - 1] if s.rank else 0.0
+            Cg = before + f[b, h, s.rank] * c  # the rank's CDF on the global one
+            own = mine[b, h]
+            j = np.searchsorted(Cg, target[b, h, own], side="right")  # first Cg > target
+            picks = rows[b, h][2][np.minimum(j, np.flatnonzero(wa > 0)[-1])]
+            J[b, h, own] = picks + s.start
+            P[b, h] = _kv(s, b, h // G)[1][picks].sum(axis=0)
+        z_a = (f * zr).sum(axis=-1)  # Z_A, the weight of C_approx (every rank alike)
+        la, acc_a = f[..., s.rank] * zr[..., s.rank], z_a[..., None] * (P / S)
+        packs.append(_pack(*combine_partials(np.stack([m_e, mstar]), np.stack([l_e, la]),
+                                             np.stack([acc_e, acc_a]))))
+        idx.append(J)
+    return packs, idx, Z > 0
