@@ -157,3 +157,181 @@ def test_decode_options_are_checked(kw, match):
         cp.cp_doublep_attention(q, sh, ixs, comm, SCALE, p1=0.9, p2=0.6, n_sink=NS,
                                 window=WIN, **kw)
     assert comm.log == []  # refused before any collective
+
+
+# ---- appends ---------------------------------------------------------------------------------
+
+N2 = N + 12  # the cache grows past the build's N: the last shard grows
+L0, L1 = np.array([150, 40, 9]), np.array([N2, 125, 31])
+# Growth from L0 to L1 moves the window start 130 -> 195, 20 -> 105, 4 -> 11, so the
+# absorbed tokens cross rank boundaries (100; 150; 40 and 160 below). Sequence 2 has no
+# middle at L0: its first tokens seed clusters (6 of its 7).
+GROW_SPLITS = [
+    (1, None),
+    (2, [0, 100, N]),
+    (3, [0, 2, 150, N]),  # the sinks straddle ranks 0 and 1; rank 1 seeds sequence 2
+    (4, [0, 60, 60, 200, N]),  # an empty rank; at L1 sequence 0's window straddles 2 and 3
+    (4, [0, 40, 120, 160, N]),  # sequence 1 ends at rank 0's end and grows into rank 1;
+                                # at L1 its window straddles ranks 1 and 2
+]
+
+
+def _grown_cache(seed=70):
+    q, k, v = _inputs(n=N2, seed=seed)
+    return q, k, v
+
+
+def _split(k, v, lens, R, bounds, n):
+    b = cp.shard_bounds(N, R, boundaries=bounds)
+    b = np.append(b[:-1], n)  # the last shard ends where the cache ends
+    return cp.split_cache(k[:, :, :n], v[:, :, :n], lens, b)
+
+
+def _build(k, v, R, bounds):
+    sh = _split(k, v, L0, R, bounds, N)
+    return sh, cp.build_shard_indexes(sh, n_clusters=C, iterations=4, n_sink=NS, window=WIN,
+                                      seed=7)
+
+
+def _steps():
+    """Lengths one token at a time from L0 to L1 (every sequence grows while short of L1)."""
+    out, lens = [], L0.copy()
+    while (lens < L1).any():
+        lens = np.minimum(lens + 1, L1)
+        out.append(lens.copy())
+    return out
+
+
+def _grow(k, v, R, bounds, one_at_a_time):
+    sh0, ixs = _build(k, v, R, bounds)
+    before = copy.deepcopy(ixs)
+    for lens in (_steps() if one_at_a_time else [L1]):
+        cp.cp_doublep_append(_split(k, v, lens, R, bounds, N2), ixs, n_sink=NS, window=WIN)
+    return sh0, before, _split(k, v, L1, R, bounds, N2), ixs
+
+
+KEYS = ("centroids", "sizes", "value_sums", "labels", "n_initialized", "window_start",
+        "seq_lens")
+
+
+@pytest.mark.parametrize("one_at_a_time", [False, True])
+def test_append_one_rank_is_the_single_device_append(one_at_a_time):
+    q, k, v = _grown_cache()
+    _, _, _, ixs = _grow(k, v, 1, None, one_at_a_time)
+    ref = build_index(k[:, :, :N], v[:, :, :N], L0, C, 4, NS, WIN, 7)
+    index = DoublePIndex(centroids=ref["centroids"], sizes=ref["sizes"],
+                         value_sums=ref["value_sums"], labels=ref["labels"], seq_lens=L0,
+                         window_start=ref["window_start"], n_sink=NS, window=WIN, n_clusters=C,
+                         n_initialized=ref["n_initialized"])
+    index.append(k, v, L1)
+    for key in KEYS:
+        np.testing.assert_array_equal(ixs[0][key], getattr(index, key))
+    assert index.n_initialized[2].tolist() == [C, C]  # sequence 2 seeded every cluster
+
+
+@pytest.mark.parametrize("R, bounds", GROW_SPLITS)
+def test_append_many_at_once_is_one_at_a_time(R, bounds):
+    q, k, v = _grown_cache()
+    *_, bulk = _grow(k, v, R, bounds, False)
+    *_, single = _grow(k, v, R, bounds, True)
+    for a, b in zip(bulk, single):
+        for key in KEYS:
+            np.testing.assert_array_equal(a[key], b[key])
+
+
+def _union_append_rule(union, n_init, owner, k, v):
+    """The single-device append rule (``reference.kmeans.append_tokens``) on the union
+    index, each token limited to its own rank's clusters ``[r C, (r + 1) C)``: in position
+    order it seeds its rank's next cluster while one has no centroid, else joins the
+    nearest live centroid of its rank (|c|^2 - 2 k.c, ties to the lower index)."""
+    cent, sizes, vs = union.centroids.copy(), union.sizes.copy(), union.value_sums.copy()
+    labels = np.full(union.labels.shape[:2] + (N2,), -1, dtype=union.labels.dtype)
+    labels[..., :union.labels.shape[-1]] = union.labels
+    n_init = [x.copy() for x in n_init]
+    new_ws = np.maximum(NS, L1 - WIN)
+    for b in range(k.shape[0]):
+        for h in range(k.shape[1]):
+            for t in range(int(union.window_start[b]), int(new_ws[b])):
+                r = owner(t)
+                own = cent[b, h, r * C:(r + 1) * C]
+                if n_init[r][b, h] < C:
+                    i = int(n_init[r][b, h])
+                    own[i] = k[b, h, t]
+                    n_init[r][b, h] += 1
+                else:
+                    i = int(np.argmin(np.sum(own * own, axis=-1) - 2.0 * (own @ k[b, h, t])))
+                labels[b, h, t] = r * C + i
+                sizes[b, h, r * C + i] += 1
+                vs[b, h, r * C + i] += v[b, h, t]
+    return cent, sizes, vs, labels, n_init
+
+
+@pytest.mark.parametrize("R, bounds", GROW_SPLITS)
+def test_append_union_index_follows_the_single_device_rule_on_own_clusters(R, bounds):
+    q, k, v = _grown_cache()
+    sh0, before, sh1, ixs = _grow(k, v, R, bounds, False)
+    union0 = cp.union_index(sh0, before, n_sink=NS, window=WIN)
+    union1 = cp.union_index(sh1, ixs, n_sink=NS, window=WIN)
+    starts = [s.start for s in sh1]
+    owner = lambda t: max(r for r in range(R) if starts[r] <= t and sh1[r].end > t)  # noqa: E731
+    cent, sizes, vs, labels, n_init = _union_append_rule(
+        union0, [ix["n_initialized"] for ix in before], owner, k, v)
+    np.testing.assert_array_equal(union1.centroids, cent)
+    np.testing.assert_array_equal(union1.sizes, sizes)
+    np.testing.assert_array_equal(union1.value_sums, vs)
+    np.testing.assert_array_equal(union1.labels, labels)
+    for r in range(R):
+        np.testing.assert_array_equal(ixs[r]["n_initialized"], n_init[r])
+    np.testing.assert_array_equal(union1.window_start, np.maximum(NS, L1 - WIN))
+    assert (sizes.sum(axis=-1) == (union1.window_start - NS)[:, None]).all()  # each token once
+    if R > 1:  # not vacuous: for some tokens the nearest of all ranks' clusters is elsewhere
+        elsewhere = 0
+        for b in range(k.shape[0]):
+            t = np.arange(union0.window_start[b], union1.window_start[b])
+            for h in range(k.shape[1]):
+                sc = np.sum(cent[b, h] ** 2, axis=-1) - 2.0 * (k[b, h, t] @ cent[b, h].T)
+                sc[:, sizes[b, h] == 0] = np.inf
+                elsewhere += (np.argmin(sc, axis=-1) // C != labels[b, h, t] // C).sum()
+        assert elsewhere > 0
+
+
+@pytest.mark.parametrize("R, bounds", GROW_SPLITS)
+@pytest.mark.parametrize("approx", ["centroid", "sample"])
+def test_decode_after_appends_is_the_union_index_one(R, bounds, approx):
+    q, k, v = _grown_cache()
+    *_, sh1, ixs = _grow(k, v, R, bounds, False)
+    union = cp.union_index(sh1, ixs, n_sink=NS, window=WIN)
+    kw = dict(SAMPLED, sampler="stratified") if approx == "sample" else {}
+    res = cp.cp_doublep_attention(q, sh1, ixs, cp.SimulatedCollectives(R), SCALE, p1=0.99,
+                                  p2=0.3, n_sink=NS, window=WIN, **kw)
+    want, diag = doublep_attention(q, k, v, L1, union, p1=0.99, p2=0.3, scale=SCALE,
+                                   token_sets=True, **(kw or dict(approx="centroid",
+                                                                  budget=None,
+                                                                  sampler="systematic",
+                                                                  seed=0, offset=0)))
+    for key in ("clusters_selected", "clusters_exact", "tokens_exact"):
+        np.testing.assert_array_equal(res.diagnostics[key], diag[key])
+    if approx == "sample":
+        moved = res.indices != diag["sample_indices"]
+        assert _moved_only_on_token_boundaries(moved, q, k, L1, diag["token_set"],
+                                               _points("stratified", *q.shape[:2]))
+        assert (diag["sample_indices"] >= 0).any()
+        if moved.any():
+            return
+    if R == 1:
+        np.testing.assert_array_equal(res.out, want)
+    _close(res.out, want, v)
+
+
+def test_append_errors_name_the_argument():
+    q, k, v = _grown_cache()
+    sh, ixs = _build(k, v, 2, [0, 100, N])
+    with pytest.raises(ValueError, match=r"`shards` lengths must not shrink"):
+        cp.cp_doublep_append(_split(k, v, L0 - 1, 2, [0, 100, N], N), ixs, n_sink=NS,
+                             window=WIN)
+    with pytest.raises(ValueError, match=r"`shards\[0\]` starts at token 100"):
+        cp.cp_doublep_append(sh[::-1], ixs, n_sink=NS, window=WIN)
+    with pytest.raises(ValueError, match="one index per shard"):
+        cp.cp_doublep_append(sh, ixs[:1], n_sink=NS, window=WIN)
+    with pytest.raises(ValueError, match="`n_sink` 2 gives rank 0 2 sinks"):
+        cp.cp_doublep_append(sh, ixs, n_sink=2, window=WIN)

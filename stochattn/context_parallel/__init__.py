@@ -21,10 +21,17 @@ implementation (:class:`~stochattn.context_parallel.dist.TorchCollectives`, over
 - :func:`cp_flash_attention`: S²ANTA-flash. Per rank the flash tiles of its shard (stream =
   global tile index, S_t = ceil(S / T_L) from the global length), combined into one partial
   per rank; one all-gather and :func:`merge_partials`.
-- :func:`cp_doublep_attention`: Double-P (``approx="centroid"``) over per-rank indexes
+- :func:`cp_doublep_attention`: Double-P over per-rank indexes
   (:func:`build_shard_indexes`); one all-gather of the (B, Hq, C) cluster scores, the
   global stage 1 / stage 2 selection by ``reference.doublep.select_clusters`` over the
   rank-major concatenation, partials per rank, one all-gather and :func:`merge_partials`.
+  ``approx="centroid"``: C_approx as pseudo-tokens. ``approx="sample"``: one more
+  all-gather of each rank's C_approx total (3 floats per (b, h)); every rank draws the
+  reference's points on the ranks' prefix and inverts its own in its local CDF (prop's
+  ``exchange="totals"``).
+- :func:`cp_doublep_append`: decode growth, no collective; each rank absorbs the tokens
+  that left the window and that it holds into its own index by the single-device append
+  rule (``reference.kmeans.append_tokens``): a token joins only its own rank's clusters.
 
 prop and flash need shard boundaries on multiples of ``tile_size`` (the tiles of the
 single-device reference then never straddle a shard); a ``ValueError`` says so otherwise.
@@ -34,7 +41,8 @@ from __future__ import annotations
 
 from .core import (Collectives, CPResult, Shard, SimulatedCollectives, combine_partials,
                    cp_exact_attention, merge_partials, reduce_tiles, shard_bounds, split_cache)
-from .doublep import RANK_SEED_STEP, build_shard_indexes, cp_doublep_attention, union_index
+from .doublep import (RANK_SEED_STEP, build_shard_indexes, cp_doublep_append,
+                      cp_doublep_attention, union_index)
 from .santa import cp_flash_attention, cp_prop_attention
 
 __all__ = [
@@ -53,5 +61,6 @@ __all__ = [
     "build_shard_indexes",
     "union_index",
     "cp_doublep_attention",
+    "cp_doublep_append",
     "RANK_SEED_STEP",
 ]

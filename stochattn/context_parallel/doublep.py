@@ -1,13 +1,14 @@
 """Context-parallel Double-P: per-rank k-means indexes, the global top-p over the
 all-gathered cluster scores, both approximations of C_approx (``approx="centroid"`` and
-``"sample"``) (docs/context_parallel.md)."""
+``"sample"``) and appends (decode growth) into the rank that holds the token
+(docs/context_parallel.md)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from ..reference.doublep import tokens_of, cluster_scores, select_clusters
-from ..reference.kmeans import build_index, cluster_csr, window_starts
+from ..reference.kmeans import append_tokens, build_index, cluster_csr, window_starts
 from ..reference.rng import PURPOSE_CLUSTER_SAMPLER
 from ..reference.samplers import sample_points
 from ..reference.santa import last_positive, merge_scales, searchsorted_rows
@@ -40,14 +41,18 @@ def build_shard_indexes(shards, *, n_clusters: int, iterations: int, n_sink: int
     """Per rank, ``reference.kmeans.build_index`` on the shard's middle tokens (the global
     middle ``[n_sink, window_start)`` intersected with the shard): the shard with the
     local sink count and ``window=0``, lengths cut at the global window start. Rank 0 of a
-    single rank builds the single-device index, bit for bit."""
+    single rank builds the single-device index, bit for bit.
+
+    Each dict holds ``build_index``'s arrays (local positions: ``labels`` (B, Hkv, n_r),
+    ``window_start`` the local end of the middle) and ``n_sink`` (local), ``start`` and
+    ``seq_lens`` (the global lengths it describes), which :func:`cp_doublep_append` reads."""
     out = []
     for s in shards:
         ns, mid_end, _ = _shard_ranges(s, n_sink, window)
         kw = {} if tol is None else {"tol": tol}
         idx = build_index(s.k, s.v, mid_end, n_clusters, iterations, ns, 0,
                           (int(seed) + s.rank * RANK_SEED_STEP) % 2**64, **kw)
-        idx["n_sink"] = ns
+        idx.update(n_sink=ns, start=s.start, seq_lens=np.array(s.seq_lens, dtype=np.int64))
         out.append(idx)
     return out
 
@@ -70,6 +75,60 @@ def union_index(shards, indexes, *, n_sink: int, window: int):
                         window_start=window_starts(s0.seq_lens, n_sink, window), n_sink=n_sink,
                         window=window, n_clusters=C * len(shards),
                         n_initialized=sum(ix["n_initialized"] for ix in indexes))
+
+
+def cp_doublep_append(shards, indexes, *, n_sink: int, window: int) -> None:
+    """Absorb, in place, the tokens that left the exact window into the index of the rank
+    that holds them (decode growth; no collective).
+
+    Call after writing the new tokens into the cache and splitting it at the new lengths
+    (``split_cache(k, v, new_seq_lens, bounds)``: the shards' ``seq_lens`` are the new
+    global lengths, ``bounds`` those of the build, the last shard may be longer). The
+    global window start moves from ``max(n_sink, L - window)`` to ``max(n_sink, L' -
+    window)``; each rank takes the part of that range it holds and runs the single-device
+    append, ``reference.kmeans.append_tokens``, on its own index in local positions: in
+    position order a token seeds the rank's next cluster without a centroid while there is
+    one, else joins the nearest of the rank's live centroids (ties to the lower index);
+    sizes and value sums are updated, centroids do not move. A token joins only clusters
+    of its own rank. One token at a time or many at once, the same bits.
+
+    Parameters
+    ----------
+    shards : list of Shard
+        The ranks this process drives, at the new lengths.
+    indexes : list of dict
+        Their indexes (:func:`build_shard_indexes`), in the same order; updated in place.
+    n_sink, window : int
+        As at the build.
+
+    Raises
+    ------
+    ValueError
+        A shard and an index of different ranks, a sequence that shrinks, or ``n_sink``
+        not the build's.
+    """
+    if len(shards) != len(indexes):
+        raise ValueError(f"`indexes` must hold one index per shard ({len(shards)}), "
+                         f"got {len(indexes)}")
+    for i, (s, ix) in enumerate(zip(shards, indexes)):
+        if s.start != ix["start"]:
+            raise ValueError(f"`shards[{i}]` starts at token {s.start}, but `indexes[{i}]` "
+                             f"was built on a shard starting at token {ix['start']}")
+        if np.any(s.seq_lens < ix["seq_lens"]):
+            raise ValueError(f"`shards` lengths must not shrink: expected each >= "
+                             f"{ix['seq_lens'].tolist()}, got {s.seq_lens.tolist()}")
+        ns, mid_end, _ = _shard_ranges(s, n_sink, window)
+        if ns != ix["n_sink"]:
+            raise ValueError(f"`n_sink` {n_sink} gives rank {s.rank} {ns} sinks, its index "
+                             f"was built with {ix['n_sink']}")
+        n, lab = s.end - s.start, ix["labels"]
+        if n > lab.shape[-1]:  # the last shard grew: extend the labels with -1
+            ix["labels"] = np.concatenate(
+                [lab, np.full(lab.shape[:2] + (n - lab.shape[-1],), -1, dtype=lab.dtype)], -1)
+        # The middle's local end is the rank's window_start with window 0 (as at the build).
+        append_tokens(ix["centroids"], ix["sizes"], ix["value_sums"], ix["labels"],
+                      ix["window_start"], ix["n_initialized"], s.k, s.v, mid_end, ns, 0)
+        ix["seq_lens"] = np.array(s.seq_lens, dtype=np.int64)
 
 
 APPROX = ("centroid", "sample")
