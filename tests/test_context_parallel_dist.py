@@ -1,6 +1,7 @@
 """Context-parallel decode over torch.distributed (Gloo, CPU processes): R processes give
 the output of one process simulating R ranks, bit for bit, for exact, S²ANTA-prop (both
-exchanges), S²ANTA-flash and Double-P (docs/context_parallel.md). Needs PyTorch; skipped
+exchanges), S²ANTA-flash and Double-P (centroid, sampled, sampled after appends)
+(docs/context_parallel.md). Needs PyTorch; skipped
 without it. The NCCL run is ``torchrun -m stochattn.context_parallel.check`` on a GPU host.
 """
 
@@ -34,7 +35,7 @@ class ReversedSum(TorchCollectives):
         return [self._back(acc, home)]
 
 
-CFG = check.default_config(tokens=300, tile=16, budget=24, clusters=4, window=16)
+CFG = check.default_config(tokens=300, tile=16, budget=24, clusters=4, window=16, grow=30)
 
 
 def _spawn(world, tmp_path, collectives=TorchCollectives):
@@ -56,18 +57,20 @@ def test_processes_equal_the_simulation_bit_for_bit(world, tmp_path):
             assert r["bitwise"], (world, rank, name, r)
     assert check.summary_ok(reports)
     # every rank computed some of Double-P's exact tokens: the split did split the work
-    assert all(np.sum(rep["doublep"]["tokens_exact_local"]) > 0 for rep in reports)
+    for name in ("doublep", "doublep-sample", "doublep-append"):
+        assert all(np.sum(rep[name]["tokens_exact_local"]) > 0 for rep in reports)
 
 
 def test_the_check_catches_a_sum_in_another_order(tmp_path):
-    """prop's all-reduce is the one float sum: summed in reverse rank order its bits
-    change at 4 ranks (by rounding only), and the check says so for both exchanges."""
+    """prop's all-reduce is the one float sum (sampled Double-P all-gathers instead):
+    summed in reverse rank order its bits change at 4 ranks (by rounding only), and the
+    check says so for both exchanges."""
     reports = _spawn(4, tmp_path, ReversedSum)
     for rep in reports:
         for name in ("prop-tiles", "prop-totals"):
             assert not rep[name]["bitwise"]
             assert 0 < rep[name]["max_abs_diff"] < 1e-12
-        for name in ("exact", "flash", "doublep"):
+        for name in ("exact", "flash", "doublep", "doublep-sample", "doublep-append"):
             assert rep[name]["bitwise"]
 
 

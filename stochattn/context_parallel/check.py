@@ -2,7 +2,8 @@
 same ranks simulated in one process, bit for bit (docs/context_parallel.md).
 
 Each rank makes the same inputs from ``--seed``, keeps only its own shard of the cache,
-runs exact, S²ANTA-prop (both exchanges), S²ANTA-flash and Double-P over
+runs exact, S²ANTA-prop (both exchanges), S²ANTA-flash and Double-P (centroid, sampled,
+and sampled after appends) over
 :class:`~stochattn.context_parallel.dist.TorchCollectives`, and compares every output with
 :class:`~stochattn.context_parallel.core.SimulatedCollectives` driving all R ranks in this
 process. Rank 0 prints one line per algorithm and, with ``--out``, writes the JSON.
@@ -18,6 +19,7 @@ launcher that passes the rank and an ``init_method`` (the tests spawn it).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -25,15 +27,16 @@ import numpy as np
 
 from . import core, santa
 from .dist import TorchCollectives
-from .doublep import build_shard_indexes, cp_doublep_attention
+from .doublep import build_shard_indexes, cp_doublep_append, cp_doublep_attention
 
-ALGORITHMS = ("exact", "prop-tiles", "prop-totals", "flash", "doublep")
+ALGORITHMS = ("exact", "prop-tiles", "prop-totals", "flash", "doublep", "doublep-sample",
+              "doublep-append")
 
 
 def default_config(**over) -> dict:
     cfg = dict(batch=2, kv_heads=2, group=4, tokens=1000, head_dim=32, tile=32, budget=64,
                sampler="systematic", seed=3, offset=5, scale=0.2, clusters=8, n_sink=4,
-               window=32, p1=0.9, p2=0.6, short_last=True)
+               window=32, p1=0.9, p2=0.6, short_last=True, grow=40)
     cfg.update(over)
     return cfg
 
@@ -63,12 +66,28 @@ def run_all(q, shards, comm, cfg) -> dict:
                                                   exchange="totals", **kw),
            "flash": santa.cp_flash_attention(q, shards, comm, cfg["scale"], **kw)}
     mine = [s for s in shards if s.rank in comm.local_ranks]
-    ixs = build_shard_indexes(mine, n_clusters=cfg["clusters"], iterations=4,
-                              n_sink=cfg["n_sink"], window=cfg["window"], seed=cfg["seed"])
-    res["doublep"] = cp_doublep_attention(q, mine, ixs, comm, cfg["scale"], p1=cfg["p1"],
-                                          p2=cfg["p2"], n_sink=cfg["n_sink"],
-                                          window=cfg["window"])
+    dp = dict(n_sink=cfg["n_sink"], window=cfg["window"])
+    build = dict(n_clusters=cfg["clusters"], iterations=4, seed=cfg["seed"], **dp)
+    ixs = build_shard_indexes(mine, **build)
+    dp.update(p1=cfg["p1"], p2=cfg["p2"])
+    sample = dict(approx="sample", budget=cfg["budget"], sampler=cfg["sampler"],
+                  seed=cfg["seed"], offset=cfg["offset"])
+    res["doublep"] = cp_doublep_attention(q, mine, ixs, comm, cfg["scale"], **dp)
+    res["doublep-sample"] = cp_doublep_attention(q, mine, ixs, comm, cfg["scale"], **dp,
+                                                 **sample)
+    # Decode growth: the indexes built ``grow`` tokens earlier, the tokens appended since.
+    earlier = [_at_lengths(s, np.maximum(s.seq_lens - cfg["grow"], 0)) for s in mine]
+    grown = build_shard_indexes(earlier, **build)
+    cp_doublep_append(mine, grown, n_sink=cfg["n_sink"], window=cfg["window"])
+    res["doublep-append"] = cp_doublep_attention(q, mine, grown, comm, cfg["scale"], **dp,
+                                                 **sample)
     return {name: (r.out, r.diagnostics) for name, r in res.items()}
+
+
+def _at_lengths(s: core.Shard, seq_lens) -> core.Shard:
+    """The shard of the same cache at other (global) lengths."""
+    return dataclasses.replace(s, lens=np.clip(seq_lens - s.start, 0, s.end - s.start),
+                               seq_lens=seq_lens)
 
 
 def _shards(cfg, k, v, lens, world):
@@ -102,8 +121,10 @@ def summary_ok(reports) -> bool:
     """Every rank bit for bit on every algorithm, and the ranks' exact Double-P tokens
     adding up to the simulation's count over all ranks."""
     bitwise = all(r[name]["bitwise"] for r in reports for name in ALGORITHMS)
-    local = np.sum([r["doublep"]["tokens_exact_local"] for r in reports], axis=0)
-    return bitwise and np.array_equal(local, reports[0]["doublep"]["tokens_exact_all"])
+    counts = all(np.array_equal(np.sum([r[name]["tokens_exact_local"] for r in reports], axis=0),
+                                reports[0][name]["tokens_exact_all"])
+                 for name in ALGORITHMS if "tokens_exact_local" in reports[0][name])
+    return bitwise and counts
 
 
 def run_rank(rank: int, world: int, init_method: str, backend: str, out_dir: str,
@@ -148,7 +169,7 @@ def main(argv=None) -> int:
         for name in ALGORITHMS:
             same = all(r[name]["bitwise"] for r in everyone)
             diff = max(r[name]["max_abs_diff"] for r in everyone)
-            print(f"{name:12s} {world} ranks ({backend}) vs simulated: "
+            print(f"{name:14s} {world} ranks ({backend}) vs simulated: "
                   f"{'bit for bit' if same else f'DIFFERENT (max |diff| {diff:.3g})'}")
         if args.out:
             with open(args.out, "w") as f:
