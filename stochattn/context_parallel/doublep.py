@@ -160,8 +160,37 @@ def cp_doublep_attention(q, shards, indexes, comm: Collectives, scale: float, *,
     partial over its exact tokens and its C_approx pseudo-tokens, one all-gather,
     :func:`merge_partials`. ``approx="sample"`` (``budget`` points of ``sampler`` per row,
     ``seed``, ``offset``; the reference's stream): see :func:`_sample_partials`, one more
-    all-gather of 3 floats per (b, h). ``CPResult.indices`` (sampled, all ranks in this
-    process) are the drawn positions (B, Hq, budget), -1 where a row draws nothing.
+    all-gather of 3 floats per (b, h).
+
+    Parameters
+    ----------
+    q : ndarray, shape (B, Hq, D)
+        The queries, the same on every rank.
+    shards : list of Shard
+        At least the ranks ``comm`` drives (:func:`~.core.split_cache`).
+    indexes : list of dict
+        Their indexes (:func:`build_shard_indexes`, :func:`cp_doublep_append`), in the
+        order of ``shards``.
+    comm : Collectives
+    scale : float
+    p1, p2 : float
+        Stage 1 and stage 2 masses, as ``reference.doublep.select_clusters``.
+    n_sink, window : int
+        As at the build.
+    approx : {"centroid", "sample"}
+    budget : int or None
+        Points per (b, h), >= 1, with ``approx="sample"`` only (a ``ValueError`` otherwise).
+    sampler : {"iid", "stratified", "systematic"}
+    seed, offset : int
+        The draws' stream (purpose ``PURPOSE_CLUSTER_SAMPLER``, row b Hq + h, stream 0).
+
+    Returns
+    -------
+    CPResult
+        ``outs`` (B, Hq, D) float64 per local rank; ``diagnostics`` as documented there;
+        with ``approx="sample"`` and every rank in this process, ``indices`` (B, Hq,
+        budget) int64: the drawn positions, -1 where a row draws nothing (the reference's
+        ``sample_indices``).
     """
     _check_decode(approx, budget, sampler)
     local = _local(comm, shards)
