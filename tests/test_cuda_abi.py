@@ -41,7 +41,10 @@ def test_declaration_of_a_kernel():
     assert k.expr(T="stochattn::f16", D=128, GMAX=4) == "exact_decode_chunk<stochattn::f16, 128, 4>"
     assert abi.kernel("santa_prop", "santa_prop_logits").expr(
         T="stochattn::bf16", D=64, GMAX=8, QHAT=True) == "santa_prop_logits<stochattn::bf16, 64, 8, true>"
-    assert abi.kernel("santa_prop", "santa_prop_tiles").expr() == "santa_prop_tiles"
+    # a plain kernel compiled on demand: one defaulted template parameter, filled in
+    tiles = abi.kernel("santa_prop", "santa_prop_tiles")
+    assert tiles.template == (("int", "kOnDemand"),) and tiles.defaults == (("kOnDemand", 0),)
+    assert tiles.expr() == "santa_prop_tiles<0>" == tiles.expr(kOnDemand=0)
     with pytest.raises(TypeError, match="template parameters"):
         k.expr(T="stochattn::f16", D=128)
     with pytest.raises(TypeError, match="must be an integer"):
@@ -139,3 +142,15 @@ def test_defaulted_template_parameter():
     assert abi._parse_template("typename T, int D") == ((("typename", "T"), ("int", "D")), ())
     with pytest.raises(TypeError, match="template parameters"):
         k.expr(other=1)
+
+
+@pytest.mark.parametrize("family", sorted(kernels.FAMILIES))
+def test_every_kernel_is_compiled_on_demand(family):
+    """NVRTC emits every plain (non-template) __global__ function into every module, and
+    the runtime compiles one module per instantiation: a plain kernel would be compiled
+    again with each of its family's kernels (decode_common.cuh, "Kernels compiled on
+    demand"). Every kernel is a template, and a defaulted parameter is an int literal."""
+    for name, decl in abi.kernels(family).items():
+        assert decl.template, f"{family}: {name} is not a template"
+        for n, value in decl.defaults:
+            assert isinstance(value, int) and n in dict((b, a) for a, b in decl.template), name

@@ -131,8 +131,8 @@ def name_expressions(family: str, dtypes=None) -> list:
         if family in MERGE_FAMILIES:  # the split-KV merge (merge.cuh)
             names.append(k("exact_decode_merge").expr(T=T))
     if family == "santa_prop":
-        names.append(k("santa_prop_tiles").expr())  # not a template: one kernel for every dtype
-        # error-targeted budgets (not templates either)
+        names.append(k("santa_prop_tiles").expr())  # one kernel for every dtype (on demand)
+        # error-targeted budgets (compiled on demand too: decode_common.cuh)
         names += [k("santa_prop_second_moment").expr(), k("santa_prop_budgets").expr(),
                   k("value_sqnorms_rows").expr()]
     if family == "doublep_decode":

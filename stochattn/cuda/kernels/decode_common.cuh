@@ -14,6 +14,14 @@
 #define STOCHATTN_NEG_INF (__int_as_float(0xff800000))
 #define STOCHATTN_NAN (__int_as_float(0x7fffffff))
 
+// Kernels compiled on demand. The runtime compiles each instantiation as its own module
+// (runtime/launch.py), and NVRTC emits every non-template __global__ function of the source
+// into every module: a family with a few plain kernels paid for compiling them again in
+// each of its modules (santa_prop: 0.8 s, doublep_decode: 1.1 s per module on this
+// project's CPU machine). Such a kernel is therefore written as a template of one unused
+// defaulted parameter, `template <int kOnDemand = 0>`, emitted only when its name
+// expression ("santa_prop_tiles<0>", abi.Kernel.expr fills the default) asks for it.
+
 // Programmatic dependent launch (sm_90), compiled in with -DSTOCHATTN_PDL=1
 // (config.TileConfig.pdl). Every kernel starts with STOCHATTN_PDL_ENTRY(): it waits
 // until the grid before it in the stream has completed and its writes are visible (a

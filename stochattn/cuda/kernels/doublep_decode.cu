@@ -311,6 +311,7 @@ struct SelectRow {
 // stats (optional, (B Hq, 4) float64): |C_p|, |C_exact|, exact tokens (sinks + window +
 // tokens of C_exact), estimated mass of C_p (0 for an empty sequence, 1 without clusters).
 // rows_read (optional, 2 B Hkv): zeroed here for doublep_rows to count into.
+template <int kOnDemand = 0>  // compiled on demand (decode_common.cuh)
 __global__ void __launch_bounds__(kSelectThreads)
 doublep_select(const float* __restrict__ xb, const long long* __restrict__ sizes,
                const long long* __restrict__ lens, const long long* __restrict__ window_start,
@@ -539,6 +540,7 @@ __device__ __forceinline__ unsigned long long block_exclusive_scan_u64(unsigned 
 // mass of the bins above it. Every cluster above that bin is in, every one below is out;
 // only the clusters of the (at most two) boundary bins are bitonic-sorted in shared memory
 // and scanned, usually a few dozen keys. Grid (B * Hq), block kSortThreads.
+template <int kOnDemand = 0>  // compiled on demand (decode_common.cuh)
 __global__ void __launch_bounds__(kSortThreads)
 doublep_select_sorted(const float* __restrict__ xb, const long long* __restrict__ sizes,
                       const long long* __restrict__ lens,

@@ -291,6 +291,7 @@ __device__ __forceinline__ float segment_sum(float x, int W) {
 // (Double-P's sampled variant stashes -inf for the tokens a head does not sample) gets
 // m = -inf, l = 0; a tile with a NaN logit gets m = l = NaN (nan_max). Grid (rows,
 // ceil(n_pad / (kTileWarps * kTileChunks * 256))).
+template <int kOnDemand = 0>  // compiled on demand (decode_common.cuh)
 __global__ void __launch_bounds__(kTileThreads)
 santa_prop_tiles(const float* __restrict__ logits, const int* __restrict__ seq_lens,
                  const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices,
@@ -869,6 +870,7 @@ constexpr int kMomentChunk = 2 * kMomentStep;
 // sequence was a chain of memory latencies (a row of 32k tokens took ~60 us at batch 1);
 // this grid keeps the reads in flight across the sequence. Chunks past the row's length,
 // and rows whose m* is not finite (santa_prop_budgets handles them alone), write nothing.
+template <int kOnDemand = 0>  // compiled on demand (decode_common.cuh)
 __global__ void __launch_bounds__(kSampleThreads)
 santa_prop_second_moment(const float* __restrict__ logits, const float* __restrict__ tile_m,
                          const int* __restrict__ seq_lens, const int* __restrict__ kv_indptr,
@@ -960,6 +962,7 @@ santa_prop_second_moment(const float* __restrict__ logits, const float* __restri
 // Writes budgets (int32), capped (int32 0/1), error_bound, norm_sq_lower (L^2) and
 // second_moment (m2), float64. Empty rows: S = 0, bound 0. Rows that read a NaN or an
 // infinity (m* not finite): S = 1 (the sampling writes their NaN row), capped, NaN bound.
+template <int kOnDemand = 0>  // compiled on demand (decode_common.cuh)
 __global__ void __launch_bounds__(kSampleThreads)
 santa_prop_budgets(const float* __restrict__ tile_m,
                    const int* __restrict__ seq_lens, const int* __restrict__ kv_indptr,
@@ -1092,6 +1095,7 @@ santa_prop_budgets(const float* __restrict__ tile_m,
 // start_b: `start` (B,) read on the device, int32 or (start_int64 = 1) int64; with
 // `start` null, `start0` for every sequence (no array to fill on the host).
 constexpr int kNormThreads = 256;
+template <int kOnDemand = 0>  // compiled on demand (decode_common.cuh)
 __global__ void __launch_bounds__(kNormThreads)
 value_sqnorms_rows(const void* __restrict__ v, int dtype, int D, long long rows, int mode,
                    long long s0, long long s1, long long s2, long long vs0, long long vs1,
