@@ -236,6 +236,76 @@ def test_budgets_indices_and_output_match_reference(sampler, case, norm):
                              3, 11, norm)
 
 
+def test_student_with_a_set_b_not_a_multiple_of_four():
+    """pilot 70: S_A 17, S_B 53, so the one-pass projections' last group of four draws is
+    partly past S_B (its clamped loads must stay out of the sums)."""
+    res, host = _run_targeted("float16", "systematic", "clt", 0.2, 0.1, 70, 3000,
+                              norm="student")
+    _check_against_reference(res, host, "float16", "systematic", "clt", 0.2, 0.1, 70, 3000,
+                             3, 11, "student")
+
+
+# Several of santa_prop_second_moment's 4096-token chunks: lengths across chunk edges, a
+# row whose later chunks are past its length, one token, none.
+_LONG_LENS = np.array([9000, 4097, 4096, 1, 0], dtype=np.int32)
+
+
+@pytest.mark.parametrize("paged", [None, dict(layout="NHD", page_size=16, shuffle_seed=2),
+                                   dict(layout="HND", page_size=64, shuffle_seed=3)])
+@pytest.mark.parametrize("norm", ["pilot", "student"])
+def test_second_moment_over_several_chunks(paged, norm):
+    Bl, Nl = len(_LONG_LENS), int(_LONG_LENS.max())
+    q, k, v = peaked_inputs(Bl, HKV, G, Nl, D, seed=8)
+    v = v + np.random.default_rng(9).standard_normal((Bl, HKV, 1, D)) * 0.7
+    qd, kd, vd = to_device(q, "float16"), to_device(k, "float16"), to_device(v, "float16")
+    q64, k64, v64 = to_host64(qd), to_host64(kd), to_host64(vd)
+    lens = cupy.asarray(_LONG_LENS) if type(qd).__module__.split(".")[0] != "torch" else \
+        __import__("torch").as_tensor(_LONG_LENS, device="cuda")
+    opts = dict(eps=0.2, delta=0.1, max_budget=3000, rule="clt", pilot=64, norm=norm,
+                sampler="systematic", seed=3, offset=11, return_budgets=True)
+    if paged is None:
+        out, dev = santa_prop_targeted(qd, kd, vd, lens, v_sqnorms=value_sqnorms(vd), **opts)
+    else:
+        cache = gpu_paged(from_contiguous(np.asarray(k64), np.asarray(v64), _LONG_LENS,
+                                          extra_pages=1, **paged), "float16")
+        out, dev = santa_prop_targeted(qd, cache, None, v_sqnorms=value_sqnorms(cache), **opts)
+    sq64 = np.einsum("bknd,bknd->bkn", v64, v64)
+    x = logits(q64, k64, lengths(_LONG_LENS, Bl, Nl), 1.0 / math.sqrt(D))
+    ch = choose_budgets(x, sq64, v64, eps=0.2, delta=0.1, max_budget=3000, rule="clt",
+                        norm=norm, pilot=64, seed=3, offset=11)
+    nonempty = np.broadcast_to((_LONG_LENS > 0)[:, None], ch.budget.shape)
+    m2, L2 = to_host(dev.second_moment), to_host(dev.norm_sq_lower)
+    np.testing.assert_allclose(m2[nonempty], ch.second_moment[nonempty], rtol=1e-4, atol=0)
+    assert np.all(m2[~nonempty] == 0.0) and np.all(to_host(dev.budget)[~nonempty] == 0)
+    S_f, capped_f, _ = _formula(m2, L2, tail_factor("clt", ch.delta_main), 0.2, 3000, nonempty)
+    np.testing.assert_array_equal(to_host(dev.budget), S_f)
+    np.testing.assert_array_equal(to_host(dev.capped).astype(bool), capped_f)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_nan_key_gives_capped_nan_rows(kernel):
+    """A NaN key: the rows of its (sequence, KV head) get S = 1, capped, NaN fields and a
+    NaN output on both pass-1 kernels (the tensor cores' tile maxima drop a NaN, so the
+    budget kernel sees it in the moment sums); every other row is untouched."""
+    qd, kd, vd, *_ = _device_inputs("float16")
+    k_host = to_host64(kd)
+    k_host[0, 1, 5, 0] = np.nan
+    kd = to_device(k_host, "float16")
+    out, dev = santa_prop_targeted(qd, kd, vd, _lens_like(qd), v_sqnorms=value_sqnorms(vd),
+                                   eps=0.2, delta=0.1, max_budget=3000, rule="clt", pilot=64,
+                                   kernel=kernel, seed=3, offset=11, return_budgets=True)
+    bad = np.zeros((B, HKV * G), dtype=bool)
+    bad[0, G:2 * G] = True
+    S, capped = to_host(dev.budget), to_host(dev.capped).astype(bool)
+    assert np.all(S[bad] == 1) and np.all(capped[bad])
+    for f in ("error_bound", "norm_sq_lower", "second_moment"):
+        assert np.all(np.isnan(to_host(getattr(dev, f))[bad])), f
+    assert np.all(np.isnan(to_host64(out)[bad]))
+    ok = ~bad & (LENS > 0)[:, None]
+    assert np.all(np.isfinite(to_host(dev.second_moment)[ok]))
+    assert np.all(np.isfinite(to_host64(out)[ok]))
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_pass1_kernels_and_bfloat16(kernel):
     pytest.importorskip("torch")

@@ -822,29 +822,66 @@ struct MaxD {  // fmax: a NaN gives way to the other operand
   __device__ double operator()(double a, double b) const { return fmax(a, b); }
 };
 
-// u . v_J summed over the draws J = pilot_b[m], m < S_B (a warp per draw, lanes over d,
-// float64), of (u . v_J - t)^2 when `centre`: the studentised pilot's t_B and spread.
-// v is read as 16-bit elements (dtype 0 float16, 1 bfloat16) at row J of `vrows`. Every
-// thread gets the block total. Contains __syncthreads.
-__device__ double student_sum(const BudgetRows& vrows, int dtype,
-                              const float* __restrict__ oa, double na,
-                              const int* __restrict__ draws, int S_B, int D, bool centre,
-                              double t, double* sm) {
+// The projections p_m = u . v_J (J = pilot_b[m], m < S_B; u = o_A / ||o_A||, float64; v
+// read as 16-bit elements, dtype 0 float16, 1 bfloat16, at row J of `vrows`) summed in one
+// pass: sums[0] = sum (p_m - c) and sums[1] = sum (p_m - c)^2 about the shift
+// sums[2] = c = p_0 (every warp computes p_0 itself), so t_B = c + sums[0] / S_B and the centred sum of
+// squares is sums[1] - sums[0]^2 / S_B without the cancellation of raw moments. A warp
+// takes kStudentAhead draws at a time with all their loads issued before any is used
+// (the gathers are random rows: one at a time they were a chain of memory latencies,
+// twice over in the earlier two-pass form). Every thread gets both sums. Contains
+// __syncthreads.
+constexpr int kStudentAhead = 4;
+
+__device__ __forceinline__ float v_elem(const unsigned short* vj, int d, int dtype) {
+  const unsigned short h = __ldg(vj + d);
+  return dtype == 0 ? Elem<f16>::to_float(h) : Elem<bf16>::to_float(h);
+}
+
+__device__ void student_sums(const BudgetRows& vrows, int dtype, const float* __restrict__ oa,
+                             double na, const int* __restrict__ draws, int S_B, int D,
+                             double* sm, double (&sums)[3]) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  double acc = 0.0;
-  for (int m = warp; m < S_B; m += kSampleWarps) {
-    const unsigned short* vj = vrows.row_of<unsigned short>(__ldg(draws + m));
-    double proj = 0.0;
+  double c = 0.0;
+  {
+    const unsigned short* v0 = vrows.row_of<unsigned short>(__ldg(draws));
+    for (int d = lane; d < D; d += 32) c += ((double)oa[d] / na) * (double)v_elem(v0, d, dtype);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) c += __shfl_xor_sync(0xffffffffu, c, off);
+  }
+  double a1 = 0.0, a2 = 0.0;
+  for (int m0 = warp * kStudentAhead; m0 < S_B; m0 += kSampleWarps * kStudentAhead) {
+    const unsigned short* vj[kStudentAhead];
+#pragma unroll
+    for (int u = 0; u < kStudentAhead; ++u)
+      vj[u] = vrows.row_of<unsigned short>(__ldg(draws + min(m0 + u, S_B - 1)));
+    double proj[kStudentAhead];
+#pragma unroll
+    for (int u = 0; u < kStudentAhead; ++u) proj[u] = 0.0;
     for (int d = lane; d < D; d += 32) {
-      const unsigned short h = __ldg(vj + d);
-      const float x = dtype == 0 ? Elem<f16>::to_float(h) : Elem<bf16>::to_float(h);
-      proj += ((double)oa[d] / na) * (double)x;
+      float x[kStudentAhead];
+#pragma unroll
+      for (int u = 0; u < kStudentAhead; ++u) x[u] = v_elem(vj[u], d, dtype);
+      const double ud = (double)oa[d] / na;
+#pragma unroll
+      for (int u = 0; u < kStudentAhead; ++u) proj[u] += ud * (double)x[u];
     }
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) proj += __shfl_xor_sync(0xffffffffu, proj, off);
-    if (lane == 0) acc += centre ? (proj - t) * (proj - t) : proj;
+    for (int u = 0; u < kStudentAhead; ++u) {
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1)
+        proj[u] += __shfl_xor_sync(0xffffffffu, proj[u], off);
+      if (m0 + u < S_B) {
+        const double p = proj[u] - c;
+        a1 += p;
+        a2 += p * p;
+      }
+    }
   }
-  return block_reduce(acc, SumD(), sm);
+  // every lane holds the warp's sums: lane 0's go into the block total
+  sums[0] = block_reduce(lane == 0 ? a1 : 0.0, SumD(), sm);
+  sums[1] = block_reduce(lane == 0 ? a2 : 0.0, SumD(), sm);
+  sums[2] = c;
 }
 
 // m* = max_t m_t of a row (NaN if a tile maximum is NaN), every thread getting it: the
@@ -866,7 +903,7 @@ constexpr int kMomentChunk = 2 * kMomentStep;
 //   den = sum_j exp(x_j - m*),  num = sum_j exp(x_j - m*) ||v_j||^2  (float64 sums of the
 //   float32 weights), vmax2 = max ||v_j||^2 over the tokens of positive weight,
 // and writes them to parts[(row * n_chunks + c) * 3 + {0, 1, 2}]; santa_prop_budgets folds
-// a row's chunks in chunk order (deterministic). One CTA per row walking the whole
+// a row's chunks (strided per thread, then a fixed tree: deterministic). One CTA per row walking the whole
 // sequence was a chain of memory latencies (a row of 32k tokens took ~60 us at batch 1);
 // this grid keeps the reads in flight across the sequence. Chunks past the row's length,
 // and rows whose m* is not finite (santa_prop_budgets handles them alone), write nothing.
@@ -927,7 +964,9 @@ santa_prop_second_moment(const float* __restrict__ logits, const float* __restri
         const double sqv = (double)nv[u];
         den += w;
         num += w * sqv;
-        if (w > 0.0) vmax2 = fmax(vmax2, sqv);
+        // "positive weight" as the reference decides it, in float64: expf underflows
+        // below x - m* ~ -103, exp in float64 only below ~ -745 (checked only then)
+        if (w > 0.0 || exp((double)x[u] - (double)mstar) > 0.0) vmax2 = fmax(vmax2, sqv);
       }
     }
   }
@@ -945,8 +984,8 @@ santa_prop_second_moment(const float* __restrict__ logits, const float* __restri
 // One CTA per (b, query head) row: the budget S of choose_budgets (norm "pilot", or
 // "student" with `student` = 1) on the device, between pass 1 and the sampling.
 //   m2 = sum_j exp(x_j - m*) ||v_j||^2 / sum_j exp(x_j - m*) over the sequence (m* =
-//        max_t m_t), from santa_prop_second_moment's `parts` (n_chunks per row, folded in
-//        chunk order); ||v_j||^2 the float32 norms kept beside the cache: (B, Hkv, N)
+//        max_t m_t), from santa_prop_second_moment's `parts` (n_chunks per row, folded
+//        in a fixed order); ||v_j||^2 the float32 norms kept beside the cache: (B, Hkv, N)
 //        contiguous, or the V pool's shape without D for a paged cache (strides sq_*;
 //        pages through the page table; the studentised bound reads V's rows here);
 //   pilot: y = ||o_p||, o_p the pilot's fp32 mean (`pilot_o`: santa_prop_sample_budgets
@@ -1027,11 +1066,23 @@ santa_prop_budgets(const float* __restrict__ tile_m,
   num = block_reduce(num, SumD(), sm_d);
   den = block_reduce(den, SumD(), sm_d);
   y2 = block_reduce(y2, SumD(), sm_d);
+  // A NaN logit that the tile maxima did not carry (the tensor-core pass 1 takes them
+  // with fmaxf) shows here: den >= 1 for every finite row (its max token adds exp(0)).
+  if (!(den >= 1.0) || num != num) {  // uniform over the block
+    if (tid == 0) {
+      budgets[row] = 1;
+      capped[row] = 1;
+      error_bound[row] = (double)STOCHATTN_NAN;
+      norm_sq_lower[row] = (double)STOCHATTN_NAN;
+      second_moment[row] = (double)STOCHATTN_NAN;
+    }
+    return;
+  }
   // The formula in the reference's operations and order, each rounded once: the _rn
   // intrinsics keep the compiler from contracting a * b + c into an FMA, so S, capped
   // and the bound are the bits NumPy computes from the same m2 and L^2
   // (tests/gpu/test_cuda_santa_budgets.py recomputes them).
-  const double m2 = den > 0.0 ? __ddiv_rn(num, den) : 0.0;  // den >= 1: the max row's exp(0)
+  const double m2 = __ddiv_rn(num, den);
   double L = 0.0;
   if (student) {
     vmax2 = block_reduce(vmax2, MaxD(), sm_d);
@@ -1040,10 +1091,11 @@ santa_prop_budgets(const float* __restrict__ tile_m,
       const BudgetRows vrows = budget_rows(v, 2, table, b, kvh, Hkv, N, D);
       const int* draws = pilot_b + row * S_B;
       const double sb = (double)S_B;
-      const double t = __ddiv_rn(student_sum(vrows, dtype, orow_p, na, draws, S_B, D, false,
-                                             0.0, sm_d), sb);
-      const double s2 = __ddiv_rn(student_sum(vrows, dtype, orow_p, na, draws, S_B, D, true, t,
-                                              sm_d), sb - 1.0);
+      double sums[3];
+      student_sums(vrows, dtype, orow_p, na, draws, S_B, D, sm_d, sums);
+      const double t = __dadd_rn(sums[2], __ddiv_rn(sums[0], sb));
+      const double s2 = __ddiv_rn(
+          fmax(__dsub_rn(sums[1], __ddiv_rn(__dmul_rn(sums[0], sums[0]), sb)), 0.0), sb - 1.0);
       const double width = fmax(__dmul_rn(z, __dsqrt_rn(__ddiv_rn(s2, sb))),
                                 __ddiv_rn(__dmul_rn(2.0, __dsqrt_rn(vmax2)), sb));
       L = fmin(fmax(__dsub_rn(t, width), 0.0), __dsqrt_rn(m2));
