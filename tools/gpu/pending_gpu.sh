@@ -78,18 +78,22 @@
 #   bash tools/gpu/pending_gpu.sh flash-sanitize read-floor
 #   bash tools/gpu/pending_gpu.sh flash-ncu pdl revisions
 #
-# THE QUEUE, in order of value (the fourth session of 2026-12-07: no GPU came in any session
-# that day after the second; every start failed, ~90-180 s of device time each). Apply a
-# patch alone on main, run its step, then `git apply -R` it before the next patch:
-#   1. issue 30: kmeans_raw.patch + kmeans-raw (~300 s), then on-demand-patch (~330 s)
-#   2. issue 31: doublep_sub.patch + doublep-sub (~420 s); the wider cuts for sub,
-#      GRID=8k-sub PLAYS="hamlet macbeth othello king-lear" SEEDS=1 TAG=s
-#      bash tools/gpu/run_mass_study_gpu.sh (after run_llm_eval_gpu.sh install; tuning
-#      plays hamlet macbeth), then Macbeth seed 1 (below)
-#   3. issue 32: student-patch budgets-profile (~320 s); doublep_budgets.patch +
-#      doublep-budgets (~480 s)
-#   4. issue 30's decode loop again on the landed tree (run_llm_eval_gpu.sh run loop) and
-#      the prefetch rest
+# THE QUEUE, in order of value (after the fourth session of 2026-12-07, whose GPU came late
+# and ran kmeans-raw, student-patch, on-demand-patch and the 8k-sub study: the on-demand,
+# budgets_review and student_one_pass patches landed, so the steps on-demand-patch and
+# student-patch now stop at their missing patch; budgets-profile needs nsys, absent from the
+# GPU image). Apply a patch alone on main, run its step, `git apply -R` it before the next:
+#   1. issue 30: kmeans_raw.patch + kmeans-raw (~250 s): its first run wrote no raw entry;
+#      the export now says why (raw.export_report() in the test messages and the JSON)
+#   2. issue 31: doublep_sub.patch + doublep-sub (~420 s): the GPU speed of sub, at
+#      (0.99, 0.9) as well (+0.52% on the report plays); then the nine other 8k-sub
+#      configurations on seed 1 (GRID=8k-sub FIRST_SEED=1 SEEDS=1 TAG=v, after
+#      run_llm_eval_gpu.sh install) and Macbeth seed 1 of the first grid (below)
+#   3. issue 32: doublep_budgets.patch + doublep-budgets (~480 s); the GPU tests of the
+#      landed tree's prop budgets together with the on-demand change (budgets-tests)
+#   4. issue 30's decode loop again on the landed tree (run_llm_eval_gpu.sh run loop), the
+#      prefetch rest, and compute-sanitizer with --report-api-errors no (its 34 "errors"
+#      on 2026-12-07 were cuGetProcAddress_v2 lookups of the CUDA Python bindings)
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=".:${PYTHONPATH:-}"
