@@ -182,9 +182,10 @@ class CPResult:
     """Output of a context-parallel call.
 
     ``outs``: the (B, Hq, D) float64 output as each local rank holds it after the last
-    collective (the same bits on every rank); ``out`` is ``outs[0]``. ``indices`` (prop:
-    (B, Hq, S) int64, every point from the rank that owns it) and ``read`` (flash: (B, Hq,
-    N) bool) exist for the tests; a GPU run would not gather them. ``diagnostics``: Double-P
+    collective (the same bits on every rank); ``out`` is ``outs[0]``. ``indices`` (prop and
+    Double-P's sampled variant: (B, Hq, S) int64 positions, every point from the rank that
+    owns it; -1 where a sampled Double-P row draws nothing) and ``read`` (flash: (B, Hq, N)
+    bool) exist for the tests; a GPU run would not gather them. ``diagnostics``: Double-P
     per (b, h) ``clusters_selected`` (|C_p|), ``clusters_exact`` (|C_exact|),
     ``tokens_exact`` (over all ranks) and ``selected`` (B, Hq, R * C): the global ids
     r * C + i of C_p in selection order, -1 after them.
