@@ -5,9 +5,9 @@ Run from the repository root (plotting needs matplotlib, in the ``eval`` extra):
     python -m benchmarks.plot_frontier
     python -m benchmarks.plot_frontier --no-plot        # the points and the table only
 
-Reads the Double-P mass-estimator study at 8k (``cluster_mass_8192_h100_2026-12-07_merged.json``,
-every configuration of its "report" group: Othello and King Lear, index seeds 0 and 1, 2048
-positions) and the 8k accuracy sweeps (S²ANTA-prop systematic, oracle top-k, Quest, token top-p).
+Reads the Double-P mass-estimator study at 8k (``cluster_mass_8192_h100_2026-12-07_merged.json``
+and the wider cuts of ``cluster_mass_8192_sub_h100_2026-12-07.json``, every configuration of
+their "report" groups: Othello and King Lear, index seeds 0 and 1, 2048 positions) and the 8k accuracy sweeps (S²ANTA-prop systematic, oracle top-k, Quest, token top-p).
 Each (family, setting) of the sweeps comes from the first file of ``--sweeps`` that has it; a
 file that keeps one run per play gives the report plays' mean (the per-play positions' standard
 errors combined), a file without the report plays gives its pooled row, marked with its plays.
@@ -31,6 +31,8 @@ __all__ = ["doublep_points", "sweep_points", "build_points", "pareto", "markdown
 
 RESULTS = "benchmarks/results"
 MASS_FILE = f"{RESULTS}/cluster_mass_8192_h100_2026-12-07_merged.json"
+# The wider cuts (mass_study --grid 8k-sub): the configurations run on both seeds.
+MASS_SUB_FILE = f"{RESULTS}/cluster_mass_8192_sub_h100_2026-12-07.json"
 SWEEP_FILES = (f"{RESULTS}/accuracy_8192_gpu_4096pos_2026-12-04.json",
                f"{RESULTS}/accuracy_8192_gpu_2026-12-04.json",
                f"{RESULTS}/accuracy_8192.json")
@@ -156,12 +158,18 @@ def keep_sweep_row(s_min=64, s_max=512):
 
 
 def build_points(mass, sweeps, *, load=None, keep=None):
-    """Every point: the mass study's report group, then each (family, setting) of the sweeps
-    from the first of ``sweeps`` that has it; ordered by family (``STYLE``), then K and V
-    read. ``load(path)`` returns a file's dict."""
+    """Every point: the report group of the mass study (``mass``: a path, or several, each
+    configuration from the first file that has it), then each (family, setting) of the
+    sweeps from the first of ``sweeps`` that has it; ordered by family (``STYLE``), then K
+    and V read. ``load(path)`` returns a file's dict."""
     load = load or _load_json
     keep = keep or keep_sweep_row()
-    points = doublep_points(load(mass), mass)
+    points, labels = [], set()
+    for path in [mass] if isinstance(mass, str) else mass:
+        for p in doublep_points(load(path), path):
+            if p["label"] not in labels:
+                labels.add(p["label"])
+                points.append(p)
     seen = set()
     for path in sweeps:
         for p in sweep_points(load(path), path, keep):
@@ -299,7 +307,9 @@ def _load_json(path):
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m benchmarks.plot_frontier",
                                  description=__doc__.split("\n")[0])
-    ap.add_argument("--mass", default=MASS_FILE, help="the mass study's JSON (report group)")
+    ap.add_argument("--mass", nargs="+", default=[MASS_FILE, MASS_SUB_FILE],
+                    help="the mass study's JSONs (report group; first file first per "
+                         "configuration)")
     ap.add_argument("--sweeps", nargs="+", default=list(SWEEP_FILES),
                     help="accuracy sweeps, first file first for each (family, setting)")
     ap.add_argument("--santa-budgets", type=int, nargs=2, default=(64, 512), metavar=("MIN", "MAX"))

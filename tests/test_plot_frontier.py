@@ -165,3 +165,18 @@ def test_main_writes_json_and_png(tmp_path, monkeypatch):
     written = json.loads(js.read_text())["points"]
     assert len(written) == 9
     assert {p["source"] for p in written} == {str(paths[n]) for n in files}
+
+
+def test_several_mass_files_first_file_wins_per_configuration():
+    files = _files()
+    wider = dict(report=dict(plays=["othello", "king-lear"], rows=[
+        _mass_row("sub-0.99-0.8", "sub", 0.99, 0.8, 0.5, 0.1, 0.9, 0.9, 0.9, 0.9),  # repeated
+        _mass_row("sub-0.99-0.9", "sub", 0.99, 0.9, 0.005, 0.002, 0.33, 0.33, 0.5, 0.34),
+    ]))
+    files["wider.json"] = wider
+    pts = pf.build_points([MASS, "wider.json"], [SWEEP_RUNS, SWEEP_POOLED],
+                          load=files.__getitem__)
+    assert len(pts) == 9 + 1
+    assert _by(pts, "Double-P sub", "(0.99, 0.8), /16")["source"] == MASS
+    new = _by(pts, "Double-P sub", "(0.99, 0.9), /16")
+    assert new["source"] == "wider.json" and new["ppl_change"] == math.expm1(0.005)
