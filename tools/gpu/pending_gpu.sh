@@ -94,6 +94,8 @@
 #   4. issue 30's decode loop again on the landed tree (run_llm_eval_gpu.sh run loop), the
 #      prefetch rest, and compute-sanitizer with --report-api-errors no (its 34 "errors"
 #      on 2026-12-07 were cuGetProcAddress_v2 lookups of the CUDA Python bindings)
+#   5. issues 35 / 30: exact_lse.patch + exact-lse (~300 s): exact_decode(return_lse=True),
+#      the per-rank partial of context-parallel exact decode
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=".:${PYTHONPATH:-}"
