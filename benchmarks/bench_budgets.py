@@ -17,6 +17,11 @@ eps / delta / rule / norm / pilot, ``max_budget`` fixed by ``--max-budget``):
 - ``fixed-max``: fixed-S prop at S = max_budget, what a caller without the choice would
   set to be safe.
 
+``--launches``: also each launch of the targeted call alone under graph replay, the
+others replaced by no-ops (:func:`launch_slots`: pass 1, each pilot set, the moment and
+budget kernels, the main draws), as ``launch_<name>_us``: where the overhead goes, for a
+GPU image without Nsight Systems.
+
 Timing: ``steady`` and ``graph`` as bench_decode (the targeted call takes device offsets
 only through its plan's ``advance_offset``; here host offsets, fixed per timing). Writes
 benchmarks/results/bench_budgets.{json,csv} (``--out``) and prints a table.
@@ -32,6 +37,7 @@ import platform
 import time
 
 from .bench_decode import (HKV, HQ, RESULTS, D, INPUTS, Timing, _fmt, _write, make_inputs,
+                           plan_of,
                            time_graph, time_steady)
 
 # (eps, delta, rule, norm, pilot)
@@ -59,6 +65,45 @@ def _host(x):
     return np.asarray(x, dtype=np.float64)
 
 
+def launch_slots(plan):
+    """``[(name, owner, attribute, index)]``: the launches of a targeted prop plan
+    (``stochattn.cuda.santa._TargetedPlan``) in call order; ``index`` picks one pilot set
+    of the ``pilot_launches`` sequence, None a plain attribute."""
+    base = plan.base
+    slots = [("pass1_logits", base, "logits", None)]
+    if base.tiles is not None:  # CUDA-core pass 1: logits, then the tile statistics
+        slots.append(("pass1_tiles", base, "tiles", None))
+    slots += [(f"pilot_{i}", plan, "pilot_launches", i) for i in range(len(plan.pilot_launches))]
+    slots += [(name, plan, f"{name}_launch", None) for name in ("moment", "budgets", "main")]
+    return slots
+
+
+def launches_alone(measure, slots):
+    """``{name: measure()}`` with every launch of ``slots`` but ``name`` replaced by a no-op;
+    the plan's launches are restored afterwards, also on an error."""
+    def noop(*args, **kwargs):
+        return None
+
+    saved = {(id(o), a): (o, a, getattr(o, a)) for _, o, a, _ in slots}
+    out = {}
+    try:
+        for name, owner, attr, index in slots:
+            for _, (o, a, value) in saved.items():
+                if index is None and (o is owner and a == attr):
+                    setattr(o, a, value)
+                elif isinstance(value, (list, tuple)):
+                    keep = index if (o is owner and a == attr) else None
+                    setattr(o, a, type(value)(v if i == keep else noop
+                                              for i, v in enumerate(value)))
+                else:
+                    setattr(o, a, noop)
+            out[name] = measure()
+    finally:
+        for o, a, value in saved.values():
+            setattr(o, a, value)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="batch 8 at 32k only")
@@ -69,6 +114,8 @@ def main(argv=None):
                     help=f"comma-separated names of {sorted(SETTINGS)}")
     ap.add_argument("--inputs", default="calibrated", choices=INPUTS)
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--launches", action="store_true",
+                    help="also each launch of the targeted call alone (graph replay)")
     ap.add_argument("--out", default=os.path.join(RESULTS, "bench_budgets"))
     args = ap.parse_args(argv)
     torch = _torch()
@@ -119,6 +166,14 @@ def main(argv=None):
                 row["mean_budget"] = float(_host(diag.budget).mean())
                 row["capped_share"] = float(_host(diag.budget_capped).mean())
                 row.update({f"targeted_{k_}": x for k_, x in timed(plan, v_sqnorms=sq).items()})
+                if args.launches:
+                    run = lambda: plan.run(q, k, v, out=out, seed=1, offset=0,  # noqa: E731
+                                           v_sqnorms=sq)
+                    alone = launches_alone(lambda: time_graph(run, t),
+                                           launch_slots(plan_of(run)))
+                    row.update({f"launch_{n}_us": x for n, x in alone.items()})
+                    print(f"B={B} N={N} {name}: " + ", ".join(
+                        f"{n} {x:.1f}" for n, x in alone.items()) + " us alone (graph)")
                 s_mean = max(1, math.ceil(row["mean_budget"]))
                 row["fixed_mean_S"] = s_mean
                 for label, S in (("fixed_mean", s_mean), ("fixed_max", args.max_budget)):

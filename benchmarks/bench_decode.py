@@ -157,6 +157,29 @@ def time_graph(fn, t: Timing):
     return float(np.median(per))
 
 
+def plan_of(call):
+    """The GPU launch plan that ``call`` runs (built by it if new): the answer of the plan
+    cache (:func:`stochattn.cuda.runtime.inputs.cached_plan`), caught while ``call`` runs."""
+    from stochattn.cuda.runtime import inputs
+
+    seen = []
+    cached_plan = inputs.cached_plan
+
+    def spy(key, build):
+        plan = cached_plan(key, build)
+        seen.append(plan)
+        return plan
+
+    inputs.cached_plan = spy
+    try:
+        call()
+    finally:
+        inputs.cached_plan = cached_plan
+    if not seen:
+        raise RuntimeError("the call built or looked up no GPU plan")
+    return seen[-1]
+
+
 def copy_bandwidth(nbytes=2 << 30, reps=30):
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
     torch = _torch()

@@ -25,32 +25,12 @@ import json
 import platform
 import time
 
+from benchmarks.bench_decode import plan_of as _plan_of
 from tools.tune_decode import time_steady
 from tools.tune_exact_tc import time_graph
 
 HQ, HKV, D, S, TILE = 32, 8, 128, 256, 64
 CASES = ((1, 32768), (1, 131072), (8, 32768), (8, 131072), (32, 32768))
-
-
-def _plan_of(call):
-    """The launch plan that ``call`` runs (built by it if new): the answer of the plan
-    cache (:func:`stochattn.cuda.runtime.inputs.cached_plan`), caught while ``call`` runs."""
-    from stochattn.cuda.runtime import inputs
-
-    seen = []
-    cached_plan = inputs.cached_plan
-
-    def spy(key, build):
-        plan = cached_plan(key, build)
-        seen.append(plan)
-        return plan
-
-    inputs.cached_plan = spy
-    try:
-        call()
-    finally:
-        inputs.cached_plan = cached_plan
-    return seen[-1]
 
 
 def _launches_alone(call, plan):

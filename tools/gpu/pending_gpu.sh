@@ -90,7 +90,10 @@
 #      configurations on seed 1 (GRID=8k-sub FIRST_SEED=1 SEEDS=1 TAG=v, after
 #      run_llm_eval_gpu.sh install) and Macbeth seed 1 of the first grid (below)
 #   3. issue 32: doublep_budgets.patch + doublep-budgets (~480 s); the GPU tests of the
-#      landed tree's prop budgets together with the on-demand change (budgets-tests)
+#      landed tree's prop budgets together with the on-demand change (budgets-tests); where
+#      the targeted call's time goes without nsys, each launch alone under graph replay
+#      (~150 s): python3 -m benchmarks.run --routine budgets --cases 1:32768,8:131072
+#      --settings "0.1/0.1 clt pilot64" --launches --out $OUT/bench_budgets_launches
 #   4. issue 30's decode loop again on the landed tree (run_llm_eval_gpu.sh run loop), the
 #      prefetch rest, and compute-sanitizer with --report-api-errors no (its 34 "errors"
 #      on 2026-12-07 were cuGetProcAddress_v2 lookups of the CUDA Python bindings)
