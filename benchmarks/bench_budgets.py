@@ -36,8 +36,8 @@ import os
 import platform
 import time
 
-from .bench_decode import (HKV, HQ, RESULTS, D, INPUTS, Timing, _fmt, _write, make_inputs,
-                           plan_of,
+from .bench_decode import (HKV, HQ, RESULTS, D, INPUTS, Timing, _fmt, _write, launches_alone,
+                           make_inputs, plan_of,
                            time_graph, time_steady)
 
 # (eps, delta, rule, norm, pilot)
@@ -76,32 +76,6 @@ def launch_slots(plan):
     slots += [(f"pilot_{i}", plan, "pilot_launches", i) for i in range(len(plan.pilot_launches))]
     slots += [(name, plan, f"{name}_launch", None) for name in ("moment", "budgets", "main")]
     return slots
-
-
-def launches_alone(measure, slots):
-    """``{name: measure()}`` with every launch of ``slots`` but ``name`` replaced by a no-op;
-    the plan's launches are restored afterwards, also on an error."""
-    def noop(*args, **kwargs):
-        return None
-
-    saved = {(id(o), a): (o, a, getattr(o, a)) for _, o, a, _ in slots}
-    out = {}
-    try:
-        for name, owner, attr, index in slots:
-            for _, (o, a, value) in saved.items():
-                if index is None and (o is owner and a == attr):
-                    setattr(o, a, value)
-                elif isinstance(value, (list, tuple)):
-                    keep = index if (o is owner and a == attr) else None
-                    setattr(o, a, type(value)(v if i == keep else noop
-                                              for i, v in enumerate(value)))
-                else:
-                    setattr(o, a, noop)
-            out[name] = measure()
-    finally:
-        for o, a, value in saved.values():
-            setattr(o, a, value)
-    return out
 
 
 def main(argv=None):

@@ -180,6 +180,32 @@ def plan_of(call):
     return seen[-1]
 
 
+def launches_alone(measure, slots):
+    """``{name: measure()}`` with every launch of ``slots`` but ``name`` replaced by a no-op:
+    ``slots`` is ``[(name, owner, attribute, index)]``, ``index`` one element of a sequence
+    attribute (a plan's list of launches), None the attribute itself. The plan's launches
+    are restored afterwards, also on an error."""
+    def noop(*args, **kwargs):
+        return None
+
+    saved = {(id(o), a): (o, a, getattr(o, a)) for _, o, a, _ in slots}
+    out = {}
+    try:
+        for name, owner, attr, index in slots:
+            for o, a, value in saved.values():
+                here = o is owner and a == attr
+                if isinstance(value, (list, tuple)):
+                    setattr(o, a, type(value)(v if here and i == index else noop
+                                              for i, v in enumerate(value)))
+                else:
+                    setattr(o, a, value if here else noop)
+            out[name] = measure()
+    finally:
+        for o, a, value in saved.values():
+            setattr(o, a, value)
+    return out
+
+
 def copy_bandwidth(nbytes=2 << 30, reps=30):
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
     torch = _torch()

@@ -52,7 +52,7 @@ def test_each_measurement_runs_one_launch_and_the_plan_is_restored(tiles, sets):
         _run(plan)
         return list(log)
 
-    alone = bb.launches_alone(measure, slots)
+    alone = bd.launches_alone(measure, slots)
     assert alone == {n: [n] for n in names}
     assert (plan.base.logits, plan.base.tiles, plan.pilot_launches, plan.moment_launch,
             plan.budgets_launch, plan.main_launch) == before
@@ -67,7 +67,7 @@ def test_restored_after_a_failing_measurement():
     plan = _plan(log)
     main = plan.main_launch
     with pytest.raises(RuntimeError):
-        bb.launches_alone(lambda: (_ for _ in ()).throw(RuntimeError("x")), bb.launch_slots(plan))
+        bd.launches_alone(lambda: (_ for _ in ()).throw(RuntimeError("x")), bb.launch_slots(plan))
     assert plan.main_launch is main and len(plan.pilot_launches) == 2
 
 

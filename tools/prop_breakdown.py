@@ -25,7 +25,7 @@ import json
 import platform
 import time
 
-from benchmarks.bench_decode import plan_of as _plan_of
+from benchmarks.bench_decode import launches_alone, plan_of as _plan_of
 from tools.tune_decode import time_steady
 from tools.tune_exact_tc import time_graph
 
@@ -37,17 +37,7 @@ def _launches_alone(call, plan):
     """GPU time of each launch of ``plan`` (CUDA-graph replay) with the others replaced by
     no-ops."""
     names = [n for n in ("logits", "tiles", "sample") if getattr(plan, n) is not None]
-    saved = {n: getattr(plan, n) for n in names}
-    alone = {}
-    try:
-        for name in names:
-            for other in names:
-                setattr(plan, other, saved[other] if other == name else (lambda *a, **kw: None))
-            alone[name] = time_graph(call)
-    finally:
-        for n in names:
-            setattr(plan, n, saved[n])
-    return alone
+    return launches_alone(lambda: time_graph(call), [(n, plan, n, None) for n in names])
 
 
 def main(argv=None):
