@@ -231,7 +231,9 @@ class Plan:
         result = self._run(self.backend, q, k, v, seq_lens, diagnose, call)
         if out is None:  # the GPU kernels write a given `out` themselves
             return result
-        return (fill_out(out, result[0]),) + tuple(result[1:]) if diagnose else fill_out(out, result)
+        if isinstance(result, tuple):  # (out, diagnostics) or (out, lse[, diagnostics])
+            return (fill_out(out, result[0]),) + tuple(result[1:])
+        return fill_out(out, result)
 
     def _paged_cuda_missing(self) -> list[str]:
         """Why this plan's GPU kernels cannot read a paged cache in place (empty: they can)."""

@@ -18,8 +18,10 @@ class ExactPlan(AttentionPlan):
     """A plan of :func:`exact_attention` (options as there; ``device``, ``q_heads``,
     ``kv_heads``, ``head_dim``, ``dtype`` as in :class:`~stochattn.SantaPlan`).
 
-    Calls: ``plan.run(q, k, v, seq_lens=None, *, out=None, workspace=None)`` returns the
-    output (B, Hq, D); ``plan.diagnose(...)`` returns ``(output, Diagnostics)``.
+    Calls: ``plan.run(q, k, v, seq_lens=None, *, out=None, workspace=None, return_lse=False,
+    lse=None)`` returns the output (B, Hq, D), or ``(output, lse)`` with ``return_lse`` (see
+    :func:`exact_attention`; ``lse=``: a preallocated (B, Hq) float32 GPU output, GPU only);
+    ``plan.diagnose(...)`` returns ``(output, Diagnostics)`` (``(output, lse, Diagnostics)``).
 
     ``k`` may be a :class:`stochattn.paged.PagedKV` (FlashInfer's layout) with ``v`` and
     ``seq_lens`` left out: the reference reads a contiguous copy, the GPU kernels read the
@@ -57,16 +59,24 @@ class ExactPlan(AttentionPlan):
 
     def _run(self, backend, q, k, v, seq_lens, diagnose, call):
         out, workspace = self._buffers(call)
+        return_lse = val.check_bool("return_lse", call.pop("return_lse", False))
+        lse = call.pop("lse", None)
         no_call_arguments(call)
+        if lse is not None and not return_lse:
+            raise ValueError("`lse` is an output of return_lse=True; got an `lse` array with "
+                             "return_lse=False")
         if backend == "cuda":
             return _exact_cuda(q, k, v, seq_lens, self.softmax_scale, self.check_finite, diagnose,
-                               out, workspace)
+                               out, workspace, return_lse, lse)
+        if lse is not None:
+            raise TypeError("`lse` is a preallocated GPU output; the reference takes none "
+                            "(it returns a new array)")
         return _exact_reference(q, k, v, seq_lens, self.softmax_scale, self.check_finite,
-                                diagnose)
+                                diagnose, return_lse)
 
 
 def exact_attention(q, k, v=None, seq_lens=None, *, softmax_scale=None, check_finite=False,
-                    return_diagnostics=False):
+                    return_diagnostics=False, return_lse=False):
     """Exact softmax attention of one decode step.
 
     Parameters
@@ -90,10 +100,20 @@ def exact_attention(q, k, v=None, seq_lens=None, *, softmax_scale=None, check_fi
         in [0, N] (reads the data and synchronises; off by default).
     return_diagnostics : bool
         Also return a :class:`~stochattn.Diagnostics`.
+    return_lse : bool
+        Also return the log-sum-exp of each row's scaled logits (below).
 
     Returns
     -------
     out : array, shape (B, Hq, D), dtype of ``q``
+    lse : array, shape (B, Hq), only when ``return_lse``
+        ``ln sum_j exp(softmax_scale q.k_j)`` over the live tokens: float64 on the
+        reference, float32 on the GPU (in q's framework); -inf for an empty sequence, NaN
+        where the query or a live key is not finite. ``(m=lse, l=1, acc=out)`` (l = 0 where
+        lse is -inf) is the exact partial of these tokens:
+        :func:`stochattn.context_parallel.merge_partials` of partials over disjoint token
+        sets is the attention over their union (cascade / prefix sharing, context-parallel
+        decode).
     diagnostics : Diagnostics, only when ``return_diagnostics``
 
     Examples
@@ -106,28 +126,34 @@ def exact_attention(q, k, v=None, seq_lens=None, *, softmax_scale=None, check_fi
     """
     plan = cached_plan(ExactPlan, device_of(q=q, k=k, v=v), softmax_scale=softmax_scale,
                        check_finite=check_finite)
-    return plan.dispatch(q, k, v, seq_lens, val.check_bool("return_diagnostics", return_diagnostics), {})
+    return plan.dispatch(q, k, v, seq_lens, val.check_bool("return_diagnostics", return_diagnostics),
+                         {"return_lse": return_lse})
 
 
-def _exact_reference(q, k, v, seq_lens, softmax_scale, check_finite, return_diagnostics):
+def _exact_reference(q, k, v, seq_lens, softmax_scale, check_finite, return_diagnostics,
+                     return_lse=False):
     backend_of(q=q, k=k, v=v, seq_lens=seq_lens)  # host seq_lens only, for the reference
     shape = val.check_attention_inputs(q, k, v, seq_lens)
     scale = val.check_scale(softmax_scale, shape.head_dim)
     if check_finite:
         val.check_finite(q=q, k=k, v=v)
-    out = finish(_ref.exact_attention(q, k, v, seq_lens, scale), q.dtype)
+    out = _ref.exact_attention(q, k, v, seq_lens, scale, return_lse=return_lse)
+    lse = ()
+    if return_lse:
+        out, lse = out[0], (out[1],)
+    out = finish(out, q.dtype)
     if not return_diagnostics:
-        return out
+        return (out,) + lse if return_lse else out
     lens = lengths(seq_lens, shape.batch, shape.tokens)
     rows = np.repeat(lens[:, None], shape.kv_heads, axis=1)
     diag = Diagnostics(seq_lens=lens, k_rows_read=rows, v_rows_read=rows.copy(),
                        true_mass=(lens[:, None] > 0) * np.ones((shape.batch, shape.q_heads)))
-    return out, diag
+    return (out,) + lse + (diag,)
 
 
 @in_callers_framework()
 def _exact_cuda(q, k, v, seq_lens, softmax_scale, check_finite, return_diagnostics, out=None,
-                workspace=None):
+                workspace=None, return_lse=False, lse=None):
     """GPU arrays: the split-KV kernels. ``k`` may be a GPU PagedKV (``v``, ``seq_lens``
     None), read in place. ``out`` and ``workspace`` go to :func:`stochattn.cuda.exact_decode`
     (None: allocated)."""
@@ -140,9 +166,12 @@ def _exact_cuda(q, k, v, seq_lens, softmax_scale, check_finite, return_diagnosti
         # anything (the kernels never read them).
         val.check_finite(q=q) if paged else val.check_finite(q=q, k=k, v=v)
     out = exact_decode(q, k, v, seq_lens, softmax_scale=softmax_scale, check_seq_lens=check_finite,
-                       out=out, workspace=workspace)
+                       out=out, workspace=workspace, return_lse=return_lse, lse=lse)
+    lse = ()
+    if return_lse:
+        out, lse = out[0], (out[1],)
     if not return_diagnostics:
-        return out
+        return (out,) + lse if return_lse else out
     if paged:
         B, Hkv, N = k.batch, k.kv_heads, k.token_bound
         lens = np.clip(host_ints(k.seq_lens), 0, N)  # as the kernels clamp them
@@ -150,6 +179,6 @@ def _exact_cuda(q, k, v, seq_lens, softmax_scale, check_finite, return_diagnosti
         B, Hkv, N = int(k.shape[0]), int(k.shape[1]), int(k.shape[2])
         lens = np.full(B, N, dtype=np.int64) if seq_lens is None else host_ints(seq_lens)
     rows = np.repeat(lens[:, None], Hkv, axis=1)
-    return out, Diagnostics(seq_lens=lens, k_rows_read=rows, v_rows_read=rows.copy(),
-                            true_mass=(lens[:, None] > 0) * np.ones((B, int(q.shape[1]))))
+    return (out,) + lse + (Diagnostics(seq_lens=lens, k_rows_read=rows, v_rows_read=rows.copy(),
+                                       true_mass=(lens[:, None] > 0) * np.ones((B, int(q.shape[1])))),)
 

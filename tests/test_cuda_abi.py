@@ -55,13 +55,14 @@ def test_declaration_of_a_kernel():
 
 def test_bind_types_every_argument_and_names_the_per_call_ones():
     k = abi.kernel("exact_decode", "exact_decode_merge")
-    bound = k.bind(("part_o", "out"), part_ml=2**40, num_chunks=3, D=128)
+    bound = k.bind(("part_o", "out"), part_ml=2**40, num_chunks=3, D=128, lse=0)
     assert bound.variable == (0, 2)
-    assert [type(a) for a in bound.args] == [np.uint64, np.uint64, np.uint64, np.int32, np.int32]
-    assert [int(a) for a in bound.args] == [0, 2**40, 0, 3, 128]
-    assert k.args_of(part_o=1, part_ml=2, out=3, num_chunks=4, D=64)[3].dtype == np.int32
+    assert [type(a) for a in bound.args] == [np.uint64, np.uint64, np.uint64, np.int32, np.int32,
+                                             np.uint64]
+    assert [int(a) for a in bound.args] == [0, 2**40, 0, 3, 128, 0]
+    assert k.args_of(part_o=1, part_ml=2, out=3, num_chunks=4, D=64, lse=0)[3].dtype == np.int32
     with pytest.raises(TypeError, match=r"missing \['D'\]"):
-        k.bind(("part_o", "part_ml", "out"), num_chunks=3)
+        k.bind(("part_o", "part_ml", "out", "lse"), num_chunks=3)
     with pytest.raises(TypeError, match=r"unknown \['dim'\]"):
         k.bind(("part_o", "part_ml", "out"), num_chunks=3, D=64, dim=1)
     with pytest.raises(TypeError, match="both fixed and variable"):

@@ -65,7 +65,7 @@ def main():
     pml = cupy.ones(HQ * 2 * 2, dtype=cupy.float32)  # (max, sum) = (1, 1)
     out = cupy.zeros(HQ * D, dtype=cupy.float16)
     args = (np.uint64(po.data.ptr), np.uint64(pml.data.ptr), np.uint64(out.data.ptr),
-            np.int32(2), np.int32(D))
+            np.int32(2), np.int32(D), np.uint64(0))
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
     print("CuPy Function call (5 args)", host_us(lambda: launcher((HQ,), (D,), args, stream)))
     drv = getattr(cupy.cuda.driver, "launchKernel", None)

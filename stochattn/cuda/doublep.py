@@ -477,7 +477,8 @@ class _DoublePPlan:
                             pdl=dep)
         self.merge = None if merge is None else P(
             merge, self.merge_grid, (D,),
-            k("exact_decode_merge").bind(("part_o", "part_ml", "out"), num_chunks=total, D=D),
+            k("exact_decode_merge").bind(("part_o", "part_ml", "out"), num_chunks=total, D=D,
+                                         lse=0),
             pdl=dep)
 
     def run(self, inp, ix, n_sink, p1, p2, count, diagnostics, rng, return_indices, out=None,

@@ -31,9 +31,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from . import kernels
 from .kernels import abi
 from .runtime import inputs, launch
+from .runtime.workspace import output
 from .config import get_config
 
 __all__ = ["exact_decode", "workspace_bytes", "KERNELS", "DEFAULT_KERNEL"]
@@ -47,13 +50,14 @@ __all__ = ["exact_decode", "workspace_bytes", "KERNELS", "DEFAULT_KERNEL"]
 KERNELS = ("simt", "tc")
 DEFAULT_KERNEL = "tc"
 # The chunk kernels' per-call arguments (both kernels take the same arguments: the inputs,
-# the page table, the output and the partials); a single chunk writes `out` and no
-# partials (their pointers stay null).
-_CHUNK_VARIABLE = launch.SPLIT_KV_VARIABLE
+# the page table, the output and the partials, then the optional log-sum-exp output, null
+# unless return_lse); a single chunk writes `out` and no partials (their pointers stay null).
+_CHUNK_VARIABLE = launch.SPLIT_KV_VARIABLE + ("lse",)
 
 
 def exact_decode(q, k, v=None, seq_lens=None, *, softmax_scale=None, num_chunks=None,
-                 check_seq_lens=False, kernel=None, out=None, workspace=None):
+                 check_seq_lens=False, kernel=None, out=None, workspace=None, return_lse=False,
+                 lse=None):
     """Exact softmax attention of one decode step, on the GPU.
 
     Parameters
@@ -91,6 +95,12 @@ def exact_decode(q, k, v=None, seq_lens=None, *, softmax_scale=None, num_chunks=
     workspace : Workspace or 1-D uint8 GPU array, optional
         Where the chunk partials live (:func:`workspace_bytes` bytes; a
         :class:`.runtime.workspace.Workspace` grows itself); None allocates them per call.
+    return_lse : bool
+        Also return the log-sum-exp of each row (see Returns). Off: the kernels skip it (a
+        null pointer test) and the call is unchanged.
+    lse : GPU array, shape (B, Hq), float32, optional
+        Written and returned as the log-sum-exp instead of a fresh array (contiguous, on
+        q's GPU, in q's framework; checked); only with ``return_lse=True``.
 
     Returns
     -------
@@ -99,6 +109,14 @@ def exact_decode(q, k, v=None, seq_lens=None, *, softmax_scale=None, num_chunks=
         (torch's for tensors, CuPy's for arrays). PyTorch inputs allocate only through
         torch's caching allocator, so the call can be captured in a ``torch.cuda.CUDAGraph``
         (paged or contiguous; with ``out`` and a warmed workspace it allocates nothing).
+    lse : GPU array, shape (B, Hq), float32, only with ``return_lse``
+        ``ln sum_j exp(softmax_scale q.k_j)`` over the live tokens, in fp32, written by the
+        kernel that writes the row of ``out`` (the single chunk, the in-kernel merge or the
+        merge launch): -inf for an empty sequence, NaN where the query or a live key is not
+        finite. ``(m=lse, l=1, acc=out)`` is the row's exact partial:
+        :func:`stochattn.context_parallel.merge_partials` of such partials over disjoint
+        token sets (cascade / prefix sharing, context-parallel ranks) is the attention over
+        their union. With ``lse=`` and ``out=`` the call allocates nothing more.
 
     Notes
     -----
@@ -115,8 +133,28 @@ def exact_decode(q, k, v=None, seq_lens=None, *, softmax_scale=None, num_chunks=
     >>> exact_decode(q, k, k).shape
     (1, 32, 128)
     """
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"`return_lse` must be a bool, got {type(return_lse).__name__}")
+    if lse is not None and not return_lse:
+        raise ValueError("`lse` is an output of return_lse=True; got an `lse` array with "
+                         "return_lse=False")
     inp, plan = _plan(q, k, v, softmax_scale, num_chunks, kernel)
-    return plan.launch(inp, seq_lens, check_seq_lens, out=out, workspace=workspace)[0]
+    if not return_lse:
+        return plan.launch(inp, seq_lens, check_seq_lens, outputs=_NO_LSE, out=out,
+                           workspace=workspace)[0]
+
+    def lse_output(ops, like):
+        a = output(ops, like, plan.out_shape[:2], "float32", lse, plan.device, name="lse")
+        return (a,), (ops.ptr(a),)
+
+    o, (lse_arr,) = plan.launch(inp, seq_lens, check_seq_lens, outputs=lse_output, out=out,
+                                workspace=workspace, merge_lse=True)
+    return o, lse_arr
+
+
+def _NO_LSE(ops, like):
+    """The chunk kernels' ``lse`` argument of a call without return_lse: null."""
+    return (), (0,)
 
 
 def workspace_bytes(q, k, v=None, *, softmax_scale=None, num_chunks=None, kernel=None) -> int:

@@ -10,7 +10,9 @@
 // expf). With one chunk the CTA writes the output; otherwise it writes its normalised
 // partial output and (max, sum), and the chunks are combined either by the last CTA of the
 // group to finish (counters non-null: one zeroed int per (b, KV head), group_state.cuh:
-// merge_if_last_chunk) or by the exact_decode_merge launch (counters null).
+// merge_if_last_chunk) or by the exact_decode_merge launch (counters null). `lse` (null
+// unless return_lse): each row's natural-log log-sum-exp of the scaled logits, written by
+// whichever of the three writes the output row (group_state.cuh: lse_of).
 //
 // K and V: contiguous (B, Hkv, N, D) caches, or page pools read in place through the page
 // table that follows seq_lens (kv_rows.cuh; kv_indptr null: contiguous; with pages the
@@ -34,7 +36,7 @@ exact_decode_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __
                    T* __restrict__ out,
                    float* __restrict__ part_o, float* __restrict__ part_ml,
                    int* __restrict__ counters, int Hkv, int G, long long N, long long chunk_len,
-                   int num_chunks, float scale_log2) {
+                   int num_chunks, float scale_log2, float* __restrict__ lse) {
   STOCHATTN_PDL_ENTRY();
   using Tl = Tiling<D>;
   constexpr int LPR = Tl::kLanesPerRow;
@@ -60,10 +62,10 @@ exact_decode_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __
   unsigned char* smem = dynamic_smem();
 
   if (start >= end) {  // nothing in this chunk (past the sequence's length, or it is empty)
-    write_empty_group<T, D>(G, head0, out, part_o, part_ml, num_chunks, chunk);
+    write_empty_group<T, D>(G, head0, out, part_o, part_ml, num_chunks, chunk, lse);
     if (counters)
       merge_if_last_chunk<T, D>(counters, (long long)b * Hkv + kvh, G, head0, part_o, part_ml, out,
-                                num_chunks);
+                                num_chunks, lse);
     return;
   }
 
@@ -98,7 +100,8 @@ exact_decode_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __
   }
   // Non-finite input (decode_common.cuh): a head with a bad query gets a NaN accumulator
   // (and a zeroed query); key_probe below marks l[0] when a key is not finite.
-  poison_values<GMAX, 8>(acc, G, query_faults<GMAX>(qf, G));
+  const unsigned bad_q = query_faults<GMAX>(qf, G);
+  poison_values<GMAX, 8>(acc, G, bad_q);
 
   int rd = 0, wr = kStages - 1;  // stage buffers read and refilled this iteration
   for (long long it = 0; it < ntiles; ++it) {
@@ -140,8 +143,8 @@ exact_decode_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __
   __syncthreads();  // the stage buffers become the merge buffers below
 
   finish_group_state<T, D, GMAX>(m, l, acc, G, smem, head0, out, part_o, part_ml, num_chunks,
-                                 chunk, /*probed=*/true);
+                                 chunk, /*probed=*/true, bad_q, lse);
   if (counters)
     merge_if_last_chunk<T, D>(counters, (long long)b * Hkv + kvh, G, head0, part_o, part_ml, out,
-                              num_chunks);
+                              num_chunks, lse);
 }

@@ -4,7 +4,8 @@
 // one CTA per (sequence b, KV head, chunk of tokens) computes the G <= 8 query heads of the
 // GQA group, writes the output (one chunk) or the normalised partial output and its
 // (max, sum) in the log2 domain, which the group's last CTA (counters non-null) or
-// exact_decode_merge combines. K and V contiguous or paged, read through the page table
+// exact_decode_merge combines, and the optional `lse` output as there (a query fault makes
+// l NaN here, hence lse NaN). K and V contiguous or paged, read through the page table
 // that follows seq_lens (kv_rows.cuh), as there.
 //
 // FlashAttention-2 style, with the group's query heads as the M dimension (16 rows, rows
@@ -56,7 +57,8 @@ exact_decode_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T*
                       T* __restrict__ out,
                       float* __restrict__ part_o, float* __restrict__ part_ml,
                       int* __restrict__ counters, int Hkv, int G, long long N,
-                      long long chunk_len, int num_chunks, float scale_log2) {
+                      long long chunk_len, int num_chunks, float scale_log2,
+                      float* __restrict__ lse) {
   STOCHATTN_PDL_ENTRY();
   using namespace stochattn;
   static_assert(D == 64 || D == 128, "head_dim must be 64 or 128");
@@ -83,10 +85,10 @@ exact_decode_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T*
 
   unsigned char* smem = dynamic_smem();
   if (start >= end) {  // nothing in this chunk (past the sequence's length, or it is empty)
-    write_empty_group<T, D, kThreadsTc>(G, head0, out, part_o, part_ml, num_chunks, chunk);
+    write_empty_group<T, D, kThreadsTc>(G, head0, out, part_o, part_ml, num_chunks, chunk, lse);
     if (counters)
       merge_if_last_chunk<T, D, kThreadsTc>(counters, (long long)b * Hkv + kvh, G, head0, part_o,
-                                            part_ml, out, num_chunks);
+                                            part_ml, out, num_chunks, lse);
     return;
   }
 
@@ -193,8 +195,8 @@ exact_decode_tc_chunk(const T* __restrict__ q, const T* __restrict__ k, const T*
   }
   __syncthreads();
   combine_warps_and_write<T, D, 8, WARPS, kThreadsTc>(smem, G, head0, out, part_o, part_ml,
-                                                      num_chunks, chunk);
+                                                      num_chunks, chunk, lse);
   if (counters)
     merge_if_last_chunk<T, D, kThreadsTc>(counters, (long long)b * Hkv + kvh, G, head0, part_o,
-                                          part_ml, out, num_chunks);
+                                          part_ml, out, num_chunks, lse);
 }

@@ -12,6 +12,14 @@
 
 namespace stochattn {
 
+// The natural-log log-sum-exp of a row's scaled logits from its log2-domain (max, sum):
+// ln(sum_j e^(s_j)) = ln 2 * (M + log2 L) with M the max of x_j = s_j log2(e) and
+// L = sum_j 2^(x_j - M). No live token (M = -inf, L = 0) gives -inf; a NaN M (non-finite
+// input) gives NaN. Written to the optional `lse` output (exact decode's return_lse).
+__device__ __forceinline__ float lse_of(float M, float L) {
+  return (M + log2f(L)) * 0.69314718055994531f;
+}
+
 // One pipeline stage into the online softmax of the G heads: logits x[p * GMAX + g] of
 // this thread's RPT rows (rows rg + p * kRowGroups of the V stage `sv`), -inf for rows a
 // head must not see. One max shift per head per stage; until a head has seen a finite
@@ -73,7 +81,8 @@ __device__ __forceinline__ void combine_warps_and_write(const unsigned char* sme
                                                         long long head0, T* __restrict__ out,
                                                         float* __restrict__ part_o,
                                                         float* __restrict__ part_ml,
-                                                        int num_chunks, int chunk) {
+                                                        int num_chunks, int chunk,
+                                                        float* __restrict__ lse = nullptr) {
   const int tid = threadIdx.x;
   const float* sm_m = reinterpret_cast<const float*>(smem);
   const float* sm_l = sm_m + WARPS * GMAX;
@@ -100,6 +109,7 @@ __device__ __forceinline__ void combine_warps_and_write(const unsigned char* sme
     const long long hrow = head0 + g;
     if (num_chunks == 1) {
       out[hrow * D + d] = Elem<T>::from_float(res);
+      if (lse && d == 0) lse[hrow] = lse_of(M, L);
     } else {
       part_o[(hrow * num_chunks + chunk) * D + d] = res;
       if (d == 0) {
@@ -135,6 +145,20 @@ __device__ __forceinline__ float merge_chunk_partials(const float* __restrict__ 
   return L == 0.f ? 0.f : o / L;
 }
 
+// The log-sum-exp (natural log) of row `row` from its num_chunks (max, sum) partials: M and
+// L as merge_chunk_partials computes them (same order), then lse_of.
+__device__ __forceinline__ float merge_chunk_lse(const float* __restrict__ part_ml, long long row,
+                                                 int num_chunks) {
+  const float* ml = part_ml + row * num_chunks * 2;
+  float M = STOCHATTN_NEG_INF;
+  for (int c = 0; c < num_chunks; ++c) M = nan_max(M, __ldcg(ml + 2 * c));
+  float L = 0.f;
+  if (M != STOCHATTN_NEG_INF) {
+    for (int c = 0; c < num_chunks; ++c) L += __ldcg(ml + 2 * c + 1) * exp2f(__ldcg(ml + 2 * c) - M);
+  }
+  return lse_of(M, L);
+}
+
 // The merge inside the chunk launch: every thread of every CTA of the grid calls this after
 // its CTA wrote its partial (or its empty partial). counters[group] (group = b * Hkv + kvh)
 // counts the CTAs of the group that are done; the last of the num_chunks to arrive merges
@@ -149,7 +173,8 @@ __device__ __forceinline__ void merge_if_last_chunk(int* __restrict__ counters, 
                                                     int G, long long head0,
                                                     const float* __restrict__ part_o,
                                                     const float* __restrict__ part_ml,
-                                                    T* __restrict__ out, int num_chunks) {
+                                                    T* __restrict__ out, int num_chunks,
+                                                    float* __restrict__ lse = nullptr) {
   __shared__ int is_last;
   __threadfence();
   __syncthreads();
@@ -162,20 +187,25 @@ __device__ __forceinline__ void merge_if_last_chunk(int* __restrict__ counters, 
     out[(head0 + g) * D + d] =
         Elem<T>::from_float(merge_chunk_partials(part_o, part_ml, head0 + g, d, num_chunks, D));
   }
+  if (lse)
+    for (int g = threadIdx.x; g < G; g += THREADS)
+      lse[head0 + g] = merge_chunk_lse(part_ml, head0 + g, num_chunks);
   if (threadIdx.x == 0) counters[group] = 0;
 }
 
-// A CTA that saw no row: zero output rows, or an empty partial (o = 0, m = -inf, l = 0).
+// A CTA that saw no row: zero output rows (and lse -inf when `lse` is given), or an empty
+// partial (o = 0, m = -inf, l = 0).
 template <typename T, int D, int THREADS = kThreads>
 __device__ __forceinline__ void write_empty_group(int G, long long head0, T* __restrict__ out,
                                                   float* __restrict__ part_o,
                                                   float* __restrict__ part_ml, int num_chunks,
-                                                  int chunk) {
+                                                  int chunk, float* __restrict__ lse = nullptr) {
   for (int i = threadIdx.x; i < G * D; i += THREADS) {
     const int g = i / D, d = i % D;
     const long long hrow = head0 + g;
     if (num_chunks == 1) {
       out[hrow * D + d] = Elem<T>::from_float(0.f);
+      if (lse && d == 0) lse[hrow] = STOCHATTN_NEG_INF;
     } else {
       part_o[(hrow * num_chunks + chunk) * D + d] = 0.f;
       if (d == 0) {
@@ -195,20 +225,25 @@ __device__ __forceinline__ void write_empty_group(int G, long long head0, T* __r
 // gets m = NaN here, which the merges below carry (nan_max) to a NaN output row; with
 // `probed` (the caller ran key_probe into l[0] over queries that query_faults made finite)
 // a NaN l[0] on any lane of the warp marks a non-finite key, and every head gets m = NaN.
+// `bad_q` (query_faults' mask; exact decode passes it) also gives those heads m = NaN (their
+// rows are NaN already through the poisoned acc; this makes their lse NaN too). `lse`: the
+// optional log-sum-exp output of the one-chunk case (combine_warps_and_write).
 template <typename T, int D, int GMAX, int WARPS = kWarps, int THREADS = kThreads>
 __device__ __forceinline__ void finish_group_state(float (&m)[GMAX], float (&l)[GMAX],
                                                    float (&acc)[GMAX][8], int G,
                                                    unsigned char* smem, long long head0,
                                                    T* __restrict__ out, float* __restrict__ part_o,
                                                    float* __restrict__ part_ml, int num_chunks,
-                                                   int chunk, bool probed = false) {
+                                                   int chunk, bool probed = false,
+                                                   unsigned bad_q = 0u,
+                                                   float* __restrict__ lse = nullptr) {
   constexpr int LPR = Tiling<D>::kLanesPerRow;
   const int tid = threadIdx.x;
   const int lr = tid % LPR, warp = tid / 32, lane = tid % 32;
   const bool bad_key = probed && __any_sync(0xffffffffu, l[0] != l[0]);
 #pragma unroll
   for (int g = 0; g < GMAX; ++g)
-    if (g < G && (bad_key || l[g] != l[g])) m[g] = STOCHATTN_NAN;
+    if (g < G && (bad_key || l[g] != l[g] || ((bad_q >> g) & 1u))) m[g] = STOCHATTN_NAN;
 
   // Merge the row groups of a warp (partners share lr: offsets are multiples of LPR).
 #pragma unroll
@@ -251,7 +286,7 @@ __device__ __forceinline__ void finish_group_state(float (&m)[GMAX], float (&l)[
   }
   __syncthreads();
   combine_warps_and_write<T, D, GMAX, WARPS, THREADS>(smem, G, head0, out, part_o, part_ml,
-                                                     num_chunks, chunk);
+                                                     num_chunks, chunk, lse);
 }
 
 }  // namespace stochattn

@@ -297,8 +297,8 @@ class ChunkMerge:
             merge = abi.kernel(family, "exact_decode_merge")
             self.merge = Packed(launcher(family, merge.expr(T=ctype), 0, config),
                                 (rows,), (head_dim,),
-                                merge.bind(("part_o", "part_ml", "out"), num_chunks=chunks,
-                                           D=head_dim),
+                                merge.bind(("part_o", "part_ml", "out", "lse"),
+                                           num_chunks=chunks, D=head_dim),
                                 pdl=config.pdl)
 
     def partials(self, ops, like, stream, workspace=None, device=None):
@@ -312,10 +312,11 @@ class ChunkMerge:
         cnt = self.counters.pointer(ops, like, stream) if self.counters is not None else 0
         return scratch, po, po + self.ml_offset, cnt
 
-    def finish(self, stream, po: int, pml: int, outp: int) -> None:
-        """The merge launch, when the chunk kernel does not merge."""
+    def finish(self, stream, po: int, pml: int, outp: int, lsep: int = 0) -> None:
+        """The merge launch, when the chunk kernel does not merge; ``lsep``: the device
+        pointer of the rows' log-sum-exp output (exact decode's ``return_lse``), 0 for none."""
         if self.merge is not None:
-            self.merge(stream, po, pml, outp)
+            self.merge(stream, po, pml, outp, lsep)
 
 
 def split_kv(family: str, name: str, smem: int, config, shape, ctype: str, align: int,
@@ -346,12 +347,14 @@ class SplitKVPlan:
     :data:`SPLIT_KV_VARIABLE`), ``split`` (its :class:`ChunkMerge`, None when one chunk
     writes the output itself), ``shape``, ``device`` and ``out_shape``."""
 
-    def launch(self, inp, seq_lens, check_seq_lens, outputs=None, out=None, workspace=None):
+    def launch(self, inp, seq_lens, check_seq_lens, outputs=None, out=None, workspace=None,
+               merge_lse=False):
         """Queue one call on the caller's stream; returns ``(out, results)``.
 
         ``outputs(ops, like)``: the call's other outputs, allocated on the inputs' device,
         as ``(results, the chunk kernel's remaining per-call arguments)``. ``out`` and
-        ``workspace``: see :mod:`.workspace` (None: allocated)."""
+        ``workspace``: see :mod:`.workspace` (None: allocated). ``merge_lse``: the last of
+        those arguments is also the merge launch's ``lse`` pointer (exact decode)."""
         from . import inputs
         from .pages import page_args
         from .workspace import output
@@ -370,7 +373,7 @@ class SplitKVPlan:
                 _scratch, po, pml, cnt = self.split.partials(ops, inp.q, stream, workspace,
                                                              self.device)
                 self.chunk(stream, qp, kp, vp, lens, *pages, outp, po, pml, cnt, *tail)
-                self.split.finish(stream, po, pml, outp)
+                self.split.finish(stream, po, pml, outp, tail[-1] if merge_lse else 0)
         return out, results
 
     @property
