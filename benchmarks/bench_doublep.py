@@ -18,8 +18,14 @@ bench_decode.py's ``median_us``), after warm-up. FlashInfer runs in its native p
 layout (copied once, untimed); the fastest exact baseline is the minimum over SDPA and the
 FlashInfer variants.
 
+``--mass paper,sub`` also times Double-P's sub-centroid cluster mass (issue 31,
+``doublep_attention(..., mass="sub")``): the index is then built with ``mass="sub"``
+(its build time, sub-centroids included, is ``build_ms``; a paper decode of it is the
+paper index's bit for bit), and every Double-P row runs once per mass (``doublep-sub(...)``
+rows beside ``doublep(...)``).
+
 Run: PYTHONPATH=. python3 benchmarks/bench_doublep.py [--cases 8:131072,1:32768,32:32768]
-[--sample-budgets 64,256] [--out bench_doublep.json]
+[--sample-budgets 64,256] [--mass paper,sub] [--out bench_doublep.json]
 Writes benchmarks/results/<out> and prints a table.
 """
 
@@ -36,7 +42,7 @@ import numpy as np
 from benchmarks.bench_decode import (D, HKV, HQ, RESULTS, Timing, copy_bandwidth, flashinfer_runners,
                                 make_inputs, time_steady)
 
-SETTINGS = ((0.95, 0.7), (0.99, 0.8), (0.9, 0.6))
+SETTINGS = ((0.95, 0.7), (0.99, 0.8), (0.99, 0.9), (0.9, 0.6))
 
 
 def calibrated(batch, tokens, dtype, seed=0):
@@ -64,8 +70,13 @@ def main(argv=None):
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--sample-budgets", default="64,256",
                     help="budgets of the sampled variant at (0.95, 0.7) ('' for none)")
+    ap.add_argument("--mass", default="paper",
+                    help="cluster masses of the Double-P rows, comma-separated: paper, sub")
     ap.add_argument("--out", default="bench_doublep.json", help="file name under benchmarks/results")
     args = ap.parse_args(argv)
+    masses = [m for m in args.mass.split(",") if m]
+    if not masses or any(m not in ("paper", "sub") for m in masses):
+        ap.error(f"--mass: expected paper and/or sub, got {args.mass!r}")
     import torch
     import torch.nn.functional as F
 
@@ -77,6 +88,7 @@ def main(argv=None):
                 host=platform.node(), torch=torch.__version__, copy_bandwidth_gbs=bw / 1e9,
                 shape=dict(Hq=HQ, Hkv=HKV, D=D), dtype=args.dtype,
                 tokens_per_cluster=args.tokens_per_cluster, iterations=args.iterations,
+                masses=masses,
                 inputs="stochattn.eval.calibrated.make_calibrated_inputs (smollm2 profile), seed 0")
     rows = []
     for case in args.cases.split(","):
@@ -87,7 +99,8 @@ def main(argv=None):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         index1 = stochattn.build_doublep_index(k[:1], v[:1], n_clusters=C,
-                                               iterations=args.iterations)
+                                               iterations=args.iterations,
+                                               mass="sub" if "sub" in masses else "paper")
         torch.cuda.synchronize()
         build_ms = (time.perf_counter() - t0) * 1e3  # kernels compiled by an earlier case or not
         index = DoublePIndex.stack([index1] * B) if B > 1 else index1
@@ -118,17 +131,21 @@ def main(argv=None):
             res.update({name: _STATS[name](d) for name in stats})
             return res
 
-        for p1, p2 in SETTINGS:
-            row["methods"][f"doublep({p1}, {p2})"] = measure(
-                stochattn.doublep_attention, "clusters_selected", "clusters_exact",
-                "estimated_mass", "true_mass_min", "k_rows_read_fraction", p1=p1, p2=p2)
-        # The sampled variant (unbiased for the p2 = 1 output) at (0.95, 0.7).
-        for S in (int(x) for x in args.sample_budgets.split(",") if x):
-            row["methods"][f"doublep-sample(0.95, 0.7, S={S})"] = measure(
-                stochattn.doublep_attention, "k_rows_read_fraction", "v_rows_read_fraction",
-                p1=0.95, p2=0.7, approx="sample", budget=S)
+        for mass in masses:
+            tag = "" if mass == "paper" else "-sub"
+            for p1, p2 in SETTINGS:
+                row["methods"][f"doublep{tag}({p1}, {p2})"] = measure(
+                    stochattn.doublep_attention, "clusters_selected", "clusters_exact",
+                    "estimated_mass", "true_mass_min", "k_rows_read_fraction", p1=p1, p2=p2,
+                    mass=mass)
+            # The sampled variant (unbiased for the p2 = 1 output) at (0.95, 0.7).
+            for S in (int(x) for x in args.sample_budgets.split(",") if x):
+                row["methods"][f"doublep{tag}-sample(0.95, 0.7, S={S})"] = measure(
+                    stochattn.doublep_attention, "k_rows_read_fraction", "v_rows_read_fraction",
+                    p1=0.95, p2=0.7, approx="sample", budget=S, mass=mass)
         # Fixed top-k clusters at the exact-cluster count of Double-P (0.95, 0.7).
-        kc = max(1, int(round(row["methods"]["doublep(0.95, 0.7)"]["clusters_exact"])))
+        first = "" if masses[0] == "paper" else "-sub"
+        kc = max(1, int(round(row["methods"][f"doublep{first}(0.95, 0.7)"]["clusters_exact"])))
         row["methods"][f"cluster_topk({kc})"] = measure(
             stochattn.cluster_topk_attention, "clusters_selected", clusters=kc)
         rows.append(row)

@@ -530,10 +530,13 @@ def build_doublep_index(k, v=None, seq_lens=None, *, n_clusters, iterations=10, 
         centroids and sizes only. ``"sub"``: also ``n_sub`` sub-centroids per cluster and
         their sizes (:attr:`DoublePIndex.sub_centroids`, ``sub_sizes``; the recursive
         principal splits of :func:`stochattn.reference.cluster_mass.index_sub_stats`), for
-        ``doublep_attention(..., mass="sub")``. Host indexes only for now: a GPU build with
-        ``mass="sub"`` raises ``NotImplementedError`` (its path waits for its GPU tests).
+        ``doublep_attention(..., mass="sub")``. On the GPU they are computed in float64 by
+        :func:`stochattn.eval.mass_batched.sub_stats` (the split directions by repeated
+        squaring instead of an SVD) and the build then synchronises (it reads the cluster
+        sizes on the host to chunk the clusters).
     n_sub : int
-        Sub-centroids per cluster with ``mass="sub"``: a power of two.
+        Sub-centroids per cluster with ``mass="sub"``: a power of two; the GPU decode
+        takes 2, 4 or 8.
 
     Returns
     -------
@@ -591,15 +594,12 @@ def build_doublep_index(k, v=None, seq_lens=None, *, n_clusters, iterations=10, 
     return index
 
 
-#: Why ``mass="sub"`` has no GPU path yet (the index build and the decode).
-_SUB_GPU_MISSING = ("the sub-centroid mass (`mass='sub'`): the reference has it, the GPU "
-                    "kernels wait for their GPU tests (tools/gpu/patches/doublep_sub.patch)")
-
-
 def _with_sub_gpu(index, k, mass, n_sub):
-    """A GPU index as built (``mass == "sub"``: a clear error until the GPU path lands)."""
+    """A GPU index with its sub-centroids when ``mass == "sub"`` (stochattn.cuda.doublep_sub)."""
     if mass == "sub":
-        raise NotImplementedError(f"`mass`: {_SUB_GPU_MISSING}")
+        from .cuda.doublep_sub import sub_stats_gpu
+
+        index.sub_centroids, index.sub_sizes = sub_stats_gpu(index, k, n_sub)
     return index
 
 
@@ -741,9 +741,8 @@ def doublep_attention(q, k, v=None, seq_lens=None, *, index, p1=0.95, p2=0.7, ap
         overshoots). It orders both stages and is the pseudo-token logit of the centroid
         variant (whose value stays the cluster's value mean), as the reference's
         ``mass="sub", value="mean"`` (:func:`stochattn.reference.doublep.doublep_attention`).
-        The reference backend only for now: a GPU call is refused with the reason (the
-        kernel, which reads the m sub-centroids instead of the centroid, waits for its GPU
-        tests).
+        On the GPU the cluster-logit kernel reads the m sub-centroids instead of the
+        centroid (m times the stage-1 bytes); pending GPU validation.
     seed, offset : int
         Random stream of ``approx="sample"`` (``0 <= seed < 2**64``, ``0 <= offset < 2**32``).
     softmax_scale : float, optional
@@ -988,19 +987,16 @@ class DoublePPlan(_DecodePlan):
                     budget_norm=self.budget_norm, mass=self.mass, **super().options())
 
     def _cuda_missing(self) -> list[str]:
-        missing = []
         if self.eps is not None:
-            missing.append("error-targeted budgets (`eps`) of Double-P's sampled variant; the "
-                           "reference has them, the GPU kernels not yet")
-        if self.mass == "sub":
-            missing.append(_SUB_GPU_MISSING)
-        return missing
+            return ["error-targeted budgets (`eps`) of Double-P's sampled variant; the "
+                    "reference has them, the GPU kernels not yet"]
+        return []
 
     def _kernel_options(self, seed, offset) -> dict:
         if self.approx == "centroid":
-            return dict(p1=self.p1, p2=self.p2)
+            return dict(p1=self.p1, p2=self.p2, mass=self.mass)
         return dict(p1=self.p1, p2=self.p2, budget=self.budget, sampler=self.sampler,
-                    seed=seed, offset=offset)
+                    seed=seed, offset=offset, mass=self.mass)
 
     def _reference(self, q, k, v, lens, index, scale, seed, offset, v_sqnorms=None):
         targeted = {} if self.eps is None else dict(

@@ -191,7 +191,7 @@ def test_append_launch_arguments_are_all_named():
         n_sink=0, window=0, **common)
     abi.kernel("doublep_append", "doublep_append").args_of(
         values=0, lens=0, window_start=0, n_init=0, centroids=0, sizes=0, value_sums=0,
-        labels=0, S=1, **common)
+        labels=0, S=1, sub_centroids=0, sub_sizes=0, n_sub=0, **common)
 
 
 def test_decode_kernels_read_rows_and_lengths_through_the_page_table():

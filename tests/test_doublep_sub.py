@@ -1,8 +1,8 @@
 """Double-P's sub-centroid mass as an index option (issue 31), on the host: the index
 fields of ``build_doublep_index(..., mass="sub")``, their append rule, the plan option
 ``mass="sub"`` against the reference estimator, the batched (xp) sub-centroid statistics
-the GPU build will run, and the GPU's refusal until its kernels have passed their GPU
-tests."""
+the GPU build runs, and the kernels' name expressions (tests/gpu/test_cuda_doublep_sub.py
+runs the GPU)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import stochattn
+from stochattn.cuda import kernels
 from stochattn.doublep import DoublePIndex, build_doublep_index
 from stochattn.eval import mass_batched as mb
 from stochattn.reference import cluster_mass as cm
@@ -141,21 +142,28 @@ def test_stack_keeps_the_sub_centroids():
 
 
 def test_batched_sub_stats_match_the_reference_split():
-    """The batched (xp) statistics the GPU build will run (mass_batched, NumPy here): the
-    reference's parts up to their order; sizes equal, means within rounding."""
+    """What the GPU build runs (mass_batched.sub_stats, here with NumPy through the GPU
+    module's own entry point on a host index): the reference's parts up to their order;
+    sizes equal, means to float32 storage."""
+    from stochattn.cuda.doublep_sub import sub_stats_gpu
+
     q, k, v = inputs(N=500, D=32, seed=4)
     k = k.astype(np.float32)
     lens = np.array([500, 377])
     index = build_doublep_index(k, v.astype(np.float32), lens, n_clusters=24, mass="sub")
-    full = mb.index_stats_batched(np, k, v, lens, index, rank=0, n_sub=4)
-    a = canonical(full["sub_means"], full["sub_sizes"])
-    b = canonical(index.sub_centroids, index.sub_sizes)
+    means, sizes = sub_stats_gpu(index, k, 4)
+    assert means.dtype == np.float32 and sizes.dtype == np.int32
+    a, b = canonical(means, sizes), canonical(index.sub_centroids, index.sub_sizes)
     np.testing.assert_array_equal(a[..., 0], b[..., 0])
     assert np.abs(a - b).max() <= 1e-6 * np.abs(k).max()
+    # and equal to the full batched statistics' sub fields (state_stats), bit for bit
+    full = mb.index_stats_batched(np, k, v, lens, index, rank=0, n_sub=4)
+    np.testing.assert_array_equal(full["sub_sizes"], sizes)
+    np.testing.assert_array_equal(full["sub_means"].astype(np.float32), means)
 
 
-def test_gpu_refuses_the_sub_mass_with_its_reason():
-    """The GPU path of mass="sub" waits for its GPU tests: a GPU plan lists the reason
-    (the reference backend runs it), a paper plan lists none."""
-    assert any("mass='sub'" in r for r in stochattn.DoublePPlan(mass="sub")._cuda_missing())
-    assert stochattn.DoublePPlan()._cuda_missing() == []
+def test_name_expressions_list_the_sub_logits():
+    names = kernels.name_expressions("doublep_decode")
+    for m in kernels.DOUBLEP_SUB_COUNTS:
+        assert f"doublep_cluster_logits_sub<stochattn::f16, 128, 8, {m}>" in names
+        assert f"doublep_cluster_logits_sub<stochattn::bf16, 64, 4, {m}>" in names

@@ -51,6 +51,12 @@ optional outputs may allocate: ``return_indices`` its (B, Hq, S) int64 array, an
 ``return_diagnostics`` its own scratch, the statistics and the true-mass launch's partials,
 and it synchronises (host copies).
 
+Cluster mass (issue 31): with ``mass="sub"`` (an index built with ``mass="sub"``) the first
+launch is doublep_cluster_logits_sub, which reads each cluster's ``n_sub`` float32
+sub-centroids and int32 sizes (``n_sub`` times the centroid bytes) and writes the
+logsumexp mass in the same place; the other launches, the workspace and the diagnostics
+are the paper mode's. Pending GPU validation (tools/gpu/pending_gpu.sh step doublep-sub).
+
 Differences from the float64 reference: logits, weights and sums are float32, so a cluster
 whose cumulative estimated mass lies within float32 rounding of ``p1`` or ``p2`` (or whose
 logit ties another's within rounding, for top-k) may be selected differently; the
@@ -98,6 +104,7 @@ _SLICE_TOKENS = abi.constant(_FAMILY, "kSliceTokens")
 _LIST_CAP = abi.constant(_FAMILY, "kListCap")
 # The per-call arguments of the packed launches, in the order the calls pass them.
 _LOGITS_VARIABLE = ("q", "centroids", "sizes", "xb")
+_LOGITS_SUB_VARIABLE = ("q", "sub_centroids", "sub_sizes", "sizes", "xb")
 _SELECT_VARIABLE = ("xb", "sizes", "lens", "window_start", "codes", "stats", "rows_read",
                     "n_sink", "p1", "p2", "counts", "count")
 _PAGE_NAMES = PageArgs._fields  # the seven page-table arguments (kernels/kv_rows.cuh)
@@ -113,12 +120,15 @@ _CLUSTERS_PER_ATTEND_CTA = 1024
 _SAMPLE_TILE = 64
 _INDEX_FIELDS = (("centroids", "float32", 4), ("sizes", "int64", 3), ("value_sums", "float32", 4),
                  ("labels", "int32", 3), ("seq_lens", "int64", 1), ("window_start", "int64", 1))
+# mass="sub" (issue 31): the sub-centroids doublep_cluster_logits_sub reads instead.
+_SUB_FIELDS = (("sub_centroids", "float32", 5), ("sub_sizes", "int32", 4))
+MASSES = ("paper", "sub")
 
 
 def doublep_decode(q, k, v, index, *, p1=1.0, p2=1.0, clusters=None, budget=None,
                    sampler="systematic", seed=0, offset=0, softmax_scale=None,
                    return_diagnostics=False, return_indices=False, num_chunks=None, out=None,
-                   workspace=None):
+                   workspace=None, mass="paper"):
     """One decode step of Double-P (centroid approximation, or with ``budget`` the sampled
     variant) or, with ``clusters``, of fixed top-k clusters, on the GPU.
 
@@ -154,6 +164,13 @@ def doublep_decode(q, k, v, index, *, p1=1.0, p2=1.0, clusters=None, budget=None
         Token chunks of the attention launch (tests and tuning); default fills the GPU.
     out : GPU array (B, Hq, D) of ``q``'s dtype and framework, optional
         Where the output goes (checked: shape, dtype, device, contiguity).
+    mass : {"paper", "sub"}
+        The clusters' logits: ``"paper"`` ``scale q.C_i + log s_i`` (doublep_cluster_logits);
+        ``"sub"`` the logsumexp of ``scale q.c_ia + log s_ia`` over the index's
+        sub-centroids (doublep_cluster_logits_sub; an index built with ``mass="sub"`` and
+        ``n_sub`` in :data:`~stochattn.cuda.kernels.DOUBLEP_SUB_COUNTS`). Both stages and
+        the centroid pseudo-token logits read them; ignored by top-k ``clusters`` (which
+        keeps the paper logits).
     workspace : None, Workspace or 1-D uint8 GPU array
         The call's scratch (:func:`workspace_bytes`; the module docstring gives the formula):
         None allocates it, a :class:`~stochattn.cuda.runtime.workspace.Workspace` keeps it
@@ -177,21 +194,29 @@ def doublep_decode(q, k, v, index, *, p1=1.0, p2=1.0, clusters=None, budget=None
     sample = _sample_of(budget, sampler)
     if sample is not None:
         seed, offset = inputs.check_stream_words(seed, offset)
-    inp, ix, plan = _plan(q, k, v, index, clusters is None, sample, softmax_scale, num_chunks)
+    sub = _sub_of(mass, centroid)
+    inp, ix, plan = _plan(q, k, v, index, clusters is None, sample, softmax_scale, num_chunks,
+                          sub)
     return plan.run(inp, ix, int(index.n_sink), float(p1), float(p2),
                     0 if clusters is None else int(clusters), bool(return_diagnostics),
                     (seed, offset), bool(return_indices), out, workspace)
 
 
 def workspace_bytes(q, k, v, index, *, clusters=None, budget=None, sampler="systematic",
-                    softmax_scale=None, num_chunks=None) -> int:
+                    softmax_scale=None, num_chunks=None, mass="paper") -> int:
     """Scratch bytes of one :func:`doublep_decode` call with these arrays and options (the
     module docstring's formula; the token chunks depend on the device's SM count): what a
     ``workspace=`` array must hold. Builds (or finds) the launch plan; launches nothing."""
     if budget is not None and clusters is not None:
         raise ValueError("`budget` (the sampled variant) and `clusters` (top-k) exclude each other")
     return _plan(q, k, v, index, clusters is None, _sample_of(budget, sampler), softmax_scale,
-                 num_chunks)[2].scratch_bytes
+                 num_chunks, _sub_of(mass, clusters is None))[2].scratch_bytes
+
+
+def _sub_of(mass, centroid) -> bool:
+    """Whether the call scores the clusters by their sub-centroids (``mass="sub"``; top-k
+    clusters always use the paper logits)."""
+    return val.check_choice("mass", mass, MASSES) == "sub" and centroid
 
 
 def _sample_of(budget, sampler):
@@ -202,13 +227,13 @@ def _sample_of(budget, sampler):
                    _SAMPLE_TILE)
 
 
-def _plan(q, k, v, index, centroid, sample, softmax_scale, num_chunks):
+def _plan(q, k, v, index, centroid, sample, softmax_scale, num_chunks, sub=False):
     """``(inputs, index arrays, cached _DoublePPlan)`` of a call."""
     inp = inputs.gather(q, k, v)
-    ix = _IndexArrays.of(index)
+    ix = _IndexArrays.of(index, sub)
     cfg = get_config(inp.device)
     key = ("doublep", inp.key, ix.key, centroid, sample, type(softmax_scale), softmax_scale,
-           type(num_chunks), num_chunks, cfg, SORT_SELECT_MAX_CLUSTERS)
+           type(num_chunks), num_chunks, cfg, SORT_SELECT_MAX_CLUSTERS, sub)
     plan = inputs.cached_plan(
         key, lambda: _DoublePPlan(inp, ix, centroid, softmax_scale, num_chunks, cfg, sample))
     return inp, ix, plan
@@ -240,37 +265,45 @@ class _Sample(NamedTuple):
 class _IndexArrays:
     """The index arrays the kernels read: metas (the plan key) and, on demand, pointers."""
 
-    __slots__ = ("arrays", "ops", "key", "_pointers", "__weakref__")
+    __slots__ = ("arrays", "fields", "ops", "key", "_pointers", "__weakref__")
 
-    #: index -> its _IndexArrays, reused while the index holds the same array objects (an
-    #: append or a stack gives new ones): a decode step does not re-inspect seven arrays.
-    _cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+    #: (index, sub) -> its _IndexArrays, reused while the index holds the same array objects
+    #: (an append or a stack gives new ones): a decode step does not re-inspect seven arrays.
+    _caches = {False: weakref.WeakKeyDictionary(), True: weakref.WeakKeyDictionary()}
 
-    def __init__(self, index, arrays=None):
-        self.arrays = arrays or tuple(getattr(index, name) for name, _, _ in _INDEX_FIELDS)
+    def __init__(self, index, arrays=None, sub=False):
+        self.fields = _INDEX_FIELDS + (_SUB_FIELDS if sub else ())
+        self.arrays = arrays or _arrays_of(index, self.fields)
         self.ops = tuple(ops_for(f"index.{name}", a)
-                         for (name, _, _), a in zip(_INDEX_FIELDS, self.arrays))
+                         for (name, _, _), a in zip(self.fields, self.arrays))
         self.key = tuple((o.name,) + tuple(o.meta(a)) for o, a in zip(self.ops, self.arrays))
         self._pointers = None
 
+    @property
+    def n_sub(self) -> int:
+        """Sub-centroids per cluster (0: the paper logits)."""
+        return int(self.arrays[-1].shape[-1]) if len(self.fields) > len(_INDEX_FIELDS) else 0
+
     @classmethod
-    def of(cls, index) -> "_IndexArrays":
-        arrays = tuple(getattr(index, name) for name, _, _ in _INDEX_FIELDS)
+    def of(cls, index, sub=False) -> "_IndexArrays":
+        fields = _INDEX_FIELDS + (_SUB_FIELDS if sub else ())
+        arrays = _arrays_of(index, fields)
+        cache = cls._caches[bool(sub)]
         try:
-            hit = cls._cache.get(index)
+            hit = cache.get(index)
         except TypeError:  # not weak-referenceable: no cache
-            return cls(index, arrays)
+            return cls(index, arrays, sub)
         if hit is not None and all(a is b for a, b in zip(hit.arrays, arrays)):
             return hit
-        ix = cls(index, arrays)
-        cls._cache[index] = ix
+        ix = cls(index, arrays, sub)
+        cache[index] = ix
         return ix
 
     def check(self, shape, device):
         """Dtypes, shapes and device against the cache (plan time)."""
         B, Hkv, D = shape.batch, shape.kv_heads, shape.head_dim
         C = None
-        for (name, dtype, ndim), o, a in zip(_INDEX_FIELDS, self.ops, self.arrays):
+        for (name, dtype, ndim), o, a in zip(self.fields, self.ops, self.arrays):
             dt, shp, dev = o.meta(a)
             shp = tuple(int(x) for x in shp)
             if dev != device:
@@ -288,6 +321,17 @@ class _IndexArrays:
                 want, dims = (B, Hkv, C), "(batch, kv_heads, clusters)"
             elif name == "labels":
                 want, dims = (B, Hkv, shp[2]), "(batch, kv_heads, tokens)"
+            elif name == "sub_centroids":
+                if shp[3:4] and shp[3] not in kernels.DOUBLEP_SUB_COUNTS:
+                    raise ValueError(f"`index.sub_centroids` holds {shp[3]} sub-centroids per "
+                                     f"cluster; the GPU decode takes "
+                                     f"{kernels.DOUBLEP_SUB_COUNTS} (build_doublep_index's "
+                                     f"`n_sub`)")
+                want = (B, Hkv, C, shp[3] if len(shp) > 3 else 0, D)
+                dims = "(batch, kv_heads, clusters, n_sub, head_dim)"
+            elif name == "sub_sizes":
+                want = tuple(int(x) for x in self.arrays[-2].shape[:4])
+                dims = "(batch, kv_heads, clusters, n_sub) of `index.sub_centroids`"
             else:
                 want, dims = (B,), "(batch,)"
             if shp != want:
@@ -297,7 +341,7 @@ class _IndexArrays:
                     f"`index.{name}` has shape {shp}, expected {dims} = {want}: batch "
                     f"{B}, kv_heads {Hkv} and head_dim {D} of this call's `q` and `k`"
                     + (f", {C} clusters of `index.centroids`"
-                       if name in ("value_sums", "sizes") else "")
+                       if name in ("value_sums", "sizes", "sub_centroids") else "")
                     + "; pass an index built from this cache")
         return C, int(self.arrays[3].shape[2])
 
@@ -313,6 +357,16 @@ class _IndexArrays:
         if all(u is a for u, a in zip(used, self.arrays)):
             self._pointers = ptrs
         return ptrs, used
+
+
+def _arrays_of(index, fields) -> tuple:
+    """The index's arrays of ``fields``; a missing sub-centroid array is a ValueError naming
+    `index` (an index built without mass="sub")."""
+    arrays = tuple(getattr(index, name, None) for name, _, _ in fields)
+    if any(a is None for a in arrays):
+        raise ValueError("`index` has no sub-centroids, which mass='sub' reads: build it with "
+                         "build_doublep_index(..., mass='sub')")
+    return arrays
 
 
 class _DoublePPlan:
@@ -339,8 +393,11 @@ class _DoublePPlan:
         with inputs.device_scope(self.device):
             # First use: compile the plan's kernels in parallel threads, not one by one.
             flag = sample is not None
+            self.n_sub = n_sub = ix.n_sub
+            logits_expr = (k("doublep_cluster_logits_sub").expr(T=ctype, D=D, GMAX=gm, NSUB=n_sub)
+                           if n_sub else k("doublep_cluster_logits").expr(T=ctype, D=D, GMAX=gm))
             launch.prefetch(fam, [
-                k("doublep_cluster_logits").expr(T=ctype, D=D, GMAX=gm),
+                logits_expr,
                 k("doublep_select_sorted").expr()
                 if C <= min(SORT_SELECT_MAX_CLUSTERS, _SORT_MAX_CLUSTERS)
                 else k("doublep_select").expr(),
@@ -348,8 +405,7 @@ class _DoublePPlan:
                 k("doublep_attend").expr(T=ctype, D=D, GMAX=gm, SAMPLE=flag),
                 k("exact_decode_merge").expr(T=ctype),
                 k("doublep_true_mass").expr(T=ctype, D=D, GMAX=gm)], cfg)
-            logits = launch.launcher(fam, k("doublep_cluster_logits").expr(T=ctype, D=D, GMAX=gm),
-                                      0, cfg)
+            logits = launch.launcher(fam, logits_expr, 0, cfg)
             self.sorted = C <= min(SORT_SELECT_MAX_CLUSTERS, _SORT_MAX_CLUSTERS)
             if self.sorted:
                 self.sort_p = max(2 * _SORT_THREADS, 1 << (C - 1).bit_length())
@@ -436,9 +492,10 @@ class _DoublePPlan:
         P = launch.Packed
         dep = config.pdl  # every launch after the first: programmatic dependent launch
         self.logits = P(logits, self.grid_logits, (_LOGIT_THREADS,),
-                        k("doublep_cluster_logits").bind(
-                            _LOGITS_VARIABLE, Hkv=s.kv_heads, G=s.group, C=C,
-                            per_cta=_CLUSTERS_PER_LOGIT_CTA, scale_log2=scale_log2))
+                        k("doublep_cluster_logits_sub" if self.n_sub else "doublep_cluster_logits")
+                        .bind(_LOGITS_SUB_VARIABLE if self.n_sub else _LOGITS_VARIABLE,
+                              Hkv=s.kv_heads, G=s.group, C=C, per_cta=_CLUSTERS_PER_LOGIT_CTA,
+                              scale_log2=scale_log2))
         select_fixed = dict(Hkv=s.kv_heads, G=s.group, C=C, cap=cap)
         if self.sorted:
             select_fixed["P"] = self.sort_p
@@ -489,7 +546,8 @@ class _DoublePPlan:
         with inputs.device_scope(self.device):
             qp, kp, vp, _null, _keep, stream = inputs.launch_args(inp, None, False, s, self.device)
             pages = page_args(inp)
-            (cent, sizes, vsums, labels, lens, ws), held = ix.pointers()
+            ptrs_ix, held = ix.pointers()
+            cent, sizes, vsums, labels, lens, ws = ptrs_ix[:6]
             out = _workspace.output(ops, inp.q, self.out_shape, None, out, self.device)
             outp = ops.ptr(out)
             if diagnostics:  # its own scratch, read back by the host (codes)
@@ -516,7 +574,10 @@ class _DoublePPlan:
                 rows_read = stats + launch.align(32 * rows)
             else:
                 stats = rows_read = 0
-            self.logits(stream, qp, cent, sizes, xb)
+            if self.n_sub:  # mass="sub": the sub-centroids and their sizes
+                self.logits(stream, qp, ptrs_ix[6], ptrs_ix[7], sizes, xb)
+            else:
+                self.logits(stream, qp, cent, sizes, xb)
             self.select(stream, xb, sizes, lens, ws, codes, stats, rows_read, n_sink, p1, p2,
                         1 if count else 0, count)
             self.rows(stream, lens, ws, *pages, labels, codes, rl, ro, hm, cnt, rows_read,

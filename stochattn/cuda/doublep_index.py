@@ -18,7 +18,12 @@ field                      shape                 dtype
 ``n_initialized``          (B, Hkv)              int64
 ``fingerprint_positions``  (B, S)                int64, -1 for a sequence built empty
 ``fingerprint_keys``       (B, Hkv, S, D)        float32 (the reference: float64)
+``sub_centroids``          (B, Hkv, C, m, D)     float32; ``mass="sub"`` only (else None)
+``sub_sizes``              (B, Hkv, C, m)        int32; ``mass="sub"`` only (else None)
 =========================  ====================  ============================================
+
+The sub-centroids are computed after the k-means by :mod:`stochattn.cuda.doublep_sub`; an
+append adds each token to the nearest sub-centroid of its cluster inside ``doublep_append``.
 
 What runs where, all on the caller's current stream (torch's for tensors, CuPy's for
 arrays):
@@ -589,11 +594,15 @@ def append_gpu(index, k, v, seq_lens, workspace=None) -> None:
                               old_lens=p(index.seq_lens), window_start=p(index.window_start),
                               n_init=p(index.n_initialized), centroids=p(index.centroids),
                               n_sink=index.n_sink, window=index.window, **common), stream)
+        sub = index.sub_centroids is not None  # mass="sub": the nearest sub-centroid too
         append((B * Hkv,), (_APPEND_THREADS,),
                append_k.args_of(values=p(vpool), lens=p(index.seq_lens),
                                 window_start=p(index.window_start), n_init=p(index.n_initialized),
                                 centroids=p(index.centroids), sizes=p(index.sizes),
-                                value_sums=p(index.value_sums), labels=p(labels), S=S, **common),
+                                value_sums=p(index.value_sums), labels=p(labels), S=S,
+                                sub_centroids=p(index.sub_centroids) if sub else 0,
+                                sub_sizes=p(index.sub_sizes) if sub else 0,
+                                n_sub=int(index.sub_sizes.shape[-1]) if sub else 0, **common),
                stream)
         del keep  # the lengths' device copy: freed stream-ordered after the kernels
     index.labels = labels
@@ -1004,12 +1013,12 @@ def stack_gpu(indexes) -> dict:
             lab[..., :ix.labels.shape[-1]] = ix.labels
             labels.append(lab)
         cat = lambda name: api.concatenate([getattr(ix, name) for ix in indexes])  # noqa: E731
-        from ..doublep import _stacked_fingerprints
+        from ..doublep import _stacked_fingerprints, _stacked_sub
 
         return dict(centroids=cat("centroids"), sizes=cat("sizes"), value_sums=cat("value_sums"),
                     labels=api.concatenate(labels), seq_lens=cat("seq_lens"),
                     window_start=cat("window_start"), n_initialized=cat("n_initialized"),
-                    **_stacked_fingerprints(indexes, cat))
+                    **_stacked_fingerprints(indexes, cat), **_stacked_sub(indexes, cat))
 
 
 def device_label(index) -> str:

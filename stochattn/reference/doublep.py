@@ -151,7 +151,9 @@ def doublep_attention(q, k, v, lens, index, *, p1, p2, approx, budget, sampler, 
     C_approx's tokens under the draws' CDF, "position" (ascending) or "cluster" (clusters
     in selection order, positions ascending inside a cluster; the order before 2026-12-03).
 
-    Cluster mass estimators (issue 31; studies on the reference, no GPU path yet):
+    Cluster mass estimators (issue 31; studies on the reference; ``mass="sub"`` with
+    ``value="mean"`` also runs on the GPU, from an index built with ``mass="sub"``, whose
+    sub-centroids :func:`~.cluster_mass.sub_only_stats` turns into ``mass_stats``):
 
     - ``mass``: how log Zhat_i, the cluster scores ``xbar`` of both stages and the
       pseudo-token logits of the centroid variant, are computed; one of

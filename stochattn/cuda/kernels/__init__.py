@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 
 __all__ = ["SOURCE_DIR", "FAMILIES", "CTYPES", "APPEND_CTYPES", "HEAD_DIMS", "GROUP_MAXES",
+           "DOUBLEP_SUB_COUNTS",
            "MAX_GROUP", "MERGE_FAMILIES", "source_text", "name_expressions", "group_max"]
 
 SOURCE_DIR = Path(__file__).resolve().parent
@@ -35,6 +36,9 @@ APPEND_CTYPES = dict(CTYPES, float32="float")
 HEAD_DIMS = (64, 128)
 # Register arrays are sized for GMAX query heads per KV head; G itself is a run-time value.
 GROUP_MAXES = (4, 8)
+#: Sub-centroids per cluster that Double-P's mass="sub" cluster logits are compiled for
+#: (doublep_cluster_logits_sub's NSUB; the GPU decode refuses an index with another n_sub).
+DOUBLEP_SUB_COUNTS = (2, 4, 8)
 MAX_GROUP = max(GROUP_MAXES)
 # The families whose module holds the split-KV merge kernel (exact_decode_merge).
 MERGE_FAMILIES = ("exact_decode", "exact_decode_tc", "santa_flash", "santa_flash_tc",
@@ -122,6 +126,8 @@ def name_expressions(family: str, dtypes=None) -> list:
         elif family == "doublep_decode":
             for d in HEAD_DIMS:
                 for gm in GROUP_MAXES:
+                    names += [k("doublep_cluster_logits_sub").expr(T=T, D=d, GMAX=gm, NSUB=m)
+                              for m in DOUBLEP_SUB_COUNTS]
                     names += [k("doublep_cluster_logits").expr(T=T, D=d, GMAX=gm),
                               k("doublep_attend").expr(T=T, D=d, GMAX=gm, SAMPLE=False),
                               k("doublep_attend").expr(T=T, D=d, GMAX=gm, SAMPLE=True),

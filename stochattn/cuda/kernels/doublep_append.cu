@@ -25,6 +25,13 @@
 //    (a bulk append), and updates sizes, value sums and labels; the block of head 0 writes
 //    the new lengths, max(L', L), and window starts into fresh arrays.
 //
+// With sub-centroids (an index built with mass="sub"; sub_centroids non-null), kernel 2
+// also adds each token to the nearest sub-centroid of its cluster (join_sub), the rule of
+// the reference's cluster_mass.append_sub_tokens: smallest |k - c_a|^2 in float32 (the
+// reference: float64) among the parts of size > 0, ties to the lowest part; a cluster with
+// none takes it in part 0, whose sub-centroid becomes the cluster's centroid. Sub-centroids
+// never move, so one token at a time again gives the same index as a bulk append.
+//
 // Every score is computed by the same code (score_vec4 / score_scalar) whichever kernel
 // runs it, so appending one token at a time gives the same index, bit for bit, as one
 // bulk append. Cost per joining token: the C * D float32 centroids of (b, h) read once,
@@ -221,6 +228,39 @@ __device__ unsigned long long block_best(const Rows& rows, const float* skey, in
   return best;
 }
 
+// The part of cluster c nearest the key kt among the n_sub sub-centroids (float32 rows
+// `sub`, sizes `ssize`, both of cluster c) of size > 0, ties to the lowest part; -1 when
+// none has members. Warp 0 computes it, the result goes through `pick` to the block
+// (synchronises the block twice).
+template <typename T>
+__device__ int nearest_sub(const T* __restrict__ kt, const float* __restrict__ sub,
+                           const int* __restrict__ ssize, int n_sub, int D, int* pick) {
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    int best = -1;
+    float best_d = 0.f;
+    for (int a = 0; a < n_sub; ++a) {
+      if (ssize[a] <= 0) continue;  // uniform over the warp
+      float acc = 0.f;
+      for (int d = lane; d < D; d += 32) {
+        const float x = widen(kt[d]) - sub[(long long)a * D + d];
+        acc = fmaf(x, x, acc);
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+      if (best < 0 || acc < best_d) {
+        best = a;
+        best_d = acc;
+      }
+    }
+    if (lane == 0) *pick = best;
+  }
+  __syncthreads();
+  const int a = *pick;
+  __syncthreads();  // pick may be rewritten by the next token
+  return a;
+}
+
 // The leaving tokens of sequence b: [start, stop), stop clamped to the cache (its rows, or
 // the pages the sequence owns) and the labels. The requested length: the page table's
 // when paged, else new_lens[b] (int64 when lens64, else int32; null: n_cache) clamped to
@@ -261,7 +301,8 @@ struct Staged {
 // (sb, sh, st) are unused, new_lens is null); old_lens, window_start (B,) the index's;
 // n_init (B, Hkv); centroids, value_sums (B, Hkv, C, D) float32; sizes (B, Hkv, C) int64;
 // labels (B, Hkv, NL) int32; partial (B * Hkv, kFastTokens, S) uint64; staging (B, 4)
-// int64 (Staged). Dynamic shared memory: D floats (a key). Blocks of up to 1024 threads, a
+// int64 (Staged); kernel 2 only: sub_centroids (B, Hkv, C, n_sub, D) float32 and
+// sub_sizes (B, Hkv, C, n_sub) int32, or null pointers (an index without sub-centroids). Dynamic shared memory: D floats (a key). Blocks of up to 1024 threads, a
 // multiple of 32.
 
 // Kernel 1: grid (B * Hkv, S); block s scores centroids [s * C / S, (s + 1) * C / S).
@@ -323,11 +364,13 @@ __global__ void __launch_bounds__(1024) doublep_append(
     long long* __restrict__ window_start, long long* __restrict__ n_init,
     float* __restrict__ centroids, long long* __restrict__ sizes,
     float* __restrict__ value_sums, int* __restrict__ labels,
-    const unsigned long long* __restrict__ partial, int S, int Hkv, int C, int D, long long NL) {
+    const unsigned long long* __restrict__ partial, int S, int Hkv, int C, int D, long long NL,
+    float* __restrict__ sub_centroids, int* __restrict__ sub_sizes, int n_sub) {
   STOCHATTN_PDL_ENTRY();
   using namespace stochattn;
   extern __shared__ float skey[];
   __shared__ unsigned long long red[32];
+  __shared__ int sub_pick;
   const int bh = blockIdx.x, b = bh / Hkv, h = bh - b * Hkv;
   const int tid = threadIdx.x;
   const Staged lv = reinterpret_cast<const Staged*>(staging)[b];
@@ -377,6 +420,17 @@ __global__ void __launch_bounds__(1024) doublep_append(
     }
     const T* vt = vrows.row(t);
     for (int d = tid; d < D; d += blockDim.x) vsum[(long long)c * D + d] += widen(vt[d]);
+    if (sub_centroids) {  // mass="sub" (uniform): the nearest sub-centroid of cluster c
+      __syncthreads();  // a centroid seeded by this token is visible to warp 0
+      const long long sc = ((long long)bh * C + c) * n_sub;
+      float* sub = sub_centroids + sc * D;
+      int a = nearest_sub(kt, sub, sub_sizes + sc, n_sub, D, &sub_pick);
+      if (a < 0) {  // no part has members: part 0 takes the cluster's centroid
+        a = 0;
+        for (int d = tid; d < D; d += blockDim.x) sub[d] = cent[(long long)c * D + d];
+      }
+      if (tid == 0) sub_sizes[sc + a] += 1;
+    }
     if (tid == 0) {
       size[c] += 1;
       lab[t] = c;

@@ -6,6 +6,12 @@
 //    xb = log2(e) scale q.C_i + log2(s_i) (-inf for empty clusters), into scratch
 //    (B Hq, C) float32. One warp per centroid row (float32, D / 32 features per lane),
 //    kLogitRows rows in flight, the G dot products summed by one reduce-scatter.
+//    doublep_cluster_logits_sub (mass="sub", issue 31) replaces it with the sub-centroid
+//    mass: xb = log2 sum_a 2^(log2(e) scale q.c_ia + log2(s_ia)) over the NSUB
+//    sub-centroids c_ia of size s_ia > 0 (-inf for an empty cluster, or one whose parts
+//    are all empty), one warp per cluster, its NSUB rows in flight. Everything after it
+//    reads xb alone, so stages 1 and 2 and the centroid pseudo-token logits follow (the
+//    reference's mass="sub", value="mean": the pseudo-token's value stays the value mean).
 // 2. doublep_select_sorted (C <= P, the usual case) or doublep_select, grid (B Hq): stage 1
 //    and stage 2 of one query head. Clusters are ordered by the 64-bit key (orderable bits
 //    of xb) << 32 | (2^32 - 1 - i), descending: by estimated mass, ties to the lower index,
@@ -124,6 +130,27 @@ __device__ __forceinline__ void load_elems(const T* __restrict__ p, float (&f)[P
   }
 }
 
+// The G queries of one KV head's group in the one-warp-per-row layout (lane holds elements
+// [lane PER, lane PER + PER) of each, PER = D / 32), scaled by scale_log2; rows G .. GMAX-1
+// are zeros. (decode_common.cuh's load_group_queries: the 8-features-per-thread layout.)
+template <typename T, int D, int GMAX>
+__device__ __forceinline__ void load_lane_queries(const T* __restrict__ q, long long head0,
+                                                  int G, int lane, float scale_log2,
+                                                  float (&qf)[GMAX][D / 32]) {
+  constexpr int PER = D / 32;
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    if (g < G) {
+      load_elems<T, PER>(q + (head0 + g) * D + lane * PER, qf[g]);
+#pragma unroll
+      for (int e = 0; e < PER; ++e) qf[g][e] *= scale_log2;
+    } else {
+#pragma unroll
+      for (int e = 0; e < PER; ++e) qf[g][e] = 0.f;
+    }
+  }
+}
+
 template <int PER>
 __device__ __forceinline__ void load_floats(const float* __restrict__ p, float (&f)[PER]) {
   if constexpr (PER == 4) {
@@ -230,17 +257,7 @@ doublep_cluster_logits(const T* __restrict__ q, const float* __restrict__ centro
   const long long pair = (long long)b * Hkv + kvh;
 
   float qf[GMAX][PER];
-#pragma unroll
-  for (int g = 0; g < GMAX; ++g) {
-    if (g < G) {
-      load_elems<T, PER>(q + (head0 + g) * D + lane * PER, qf[g]);
-#pragma unroll
-      for (int e = 0; e < PER; ++e) qf[g][e] *= scale_log2;
-    } else {
-#pragma unroll
-      for (int e = 0; e < PER; ++e) qf[g][e] = 0.f;
-    }
-  }
+  load_lane_queries<T, D, GMAX>(q, head0, G, lane, scale_log2, qf);
   const float* cbase = centroids + pair * C * D;
   const long long* sz = sizes + pair * C;
   const int c0 = blockIdx.x * per_cta;
@@ -280,6 +297,66 @@ doublep_cluster_logits(const T* __restrict__ q, const float* __restrict__ centro
         xb[(head0 + head) * C + cr] =
             size[r] > 0 ? dot + log2f((float)size[r]) : STOCHATTN_NEG_INF;
     }
+  }
+}
+
+// Grid and block as doublep_cluster_logits; sub_centroids (B, Hkv, C, NSUB, D) float32,
+// sub_sizes (B, Hkv, C, NSUB) int32, sizes (B, Hkv, C) int64 (a cluster of size 0 is -inf,
+// as in doublep_cluster_logits).
+template <typename T, int D, int GMAX, int NSUB>
+__global__ void __launch_bounds__(kLogitThreads)
+doublep_cluster_logits_sub(const T* __restrict__ q, const float* __restrict__ sub_centroids,
+                           const int* __restrict__ sub_sizes,
+                           const long long* __restrict__ sizes, float* __restrict__ xb,
+                           int Hkv, int G, int C, int per_cta, float scale_log2) {
+  STOCHATTN_PDL_ENTRY();
+  static_assert(NSUB >= 1 && NSUB <= 8, "NSUB sub-centroids per cluster");
+  constexpr int PER = D / 32;
+  const int kvh = blockIdx.y, b = blockIdx.z;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const long long head0 = (long long)b * Hkv * G + (long long)kvh * G;
+  const long long pair = (long long)b * Hkv + kvh;
+
+  float qf[GMAX][PER];
+  load_lane_queries<T, D, GMAX>(q, head0, G, lane, scale_log2, qf);
+  const float* sbase = sub_centroids + pair * C * NSUB * D;
+  const int* ssz = sub_sizes + pair * C * NSUB;
+  const long long* sz = sizes + pair * C;
+  const int c0 = blockIdx.x * per_cta;
+  const int c1 = min(C, c0 + per_cta);
+  const int head = reduced_head<GMAX>(lane);
+  for (int c = c0 + warp; c < c1; c += kLogitWarps) {
+    // The cluster's NSUB rows and sizes, all loads in flight before the reductions.
+    float cf[NSUB][PER];
+    int ts[NSUB];
+#pragma unroll
+    for (int a = 0; a < NSUB; ++a) {
+      load_floats<PER>(sbase + ((long long)c * NSUB + a) * D + lane * PER, cf[a]);
+      ts[a] = ssz[(long long)c * NSUB + a];
+    }
+    const long long size = sz[c];
+    float x[NSUB];
+    float mx = STOCHATTN_NEG_INF;
+#pragma unroll
+    for (int a = 0; a < NSUB; ++a) {
+      float part[GMAX];
+#pragma unroll
+      for (int g = 0; g < GMAX; ++g) {
+        float acc = 0.f;
+#pragma unroll
+        for (int e = 0; e < PER; ++e) acc = fmaf(qf[g][e], cf[a][e], acc);
+        part[g] = acc;
+      }
+      const float dot = warp_reduce_scatter<GMAX>(part, lane);  // head `head`'s dot
+      x[a] = ts[a] > 0 ? dot + log2f((float)ts[a]) : STOCHATTN_NEG_INF;
+      mx = fmaxf(mx, x[a]);
+    }
+    float sum = 0.f;
+#pragma unroll
+    for (int a = 0; a < NSUB; ++a) sum += exp2f(x[a] - mx);  // 0 for an empty part
+    if (head < G && (lane & (32 / GMAX - 1)) == 0)
+      xb[(head0 + head) * C + c] =
+          (size > 0 && mx != STOCHATTN_NEG_INF) ? mx + log2f(sum) : STOCHATTN_NEG_INF;
   }
 }
 
@@ -1314,14 +1391,7 @@ doublep_true_mass(const T* __restrict__ q, const T* __restrict__ k,
   const long long ws = window_start[b];
   const long long sinks = n_sink < L ? n_sink : L;
   float qf[GMAX][PER];
-#pragma unroll
-  for (int g = 0; g < GMAX; ++g) {
-    if (g < G) {
-      load_elems<T, PER>(q + (head0 + g) * D + lane * PER, qf[g]);
-#pragma unroll
-      for (int e = 0; e < PER; ++e) qf[g][e] *= scale_log2;
-    }
-  }
+  load_lane_queries<T, D, GMAX>(q, head0, G, lane, scale_log2, qf);
   float m[GMAX], la[GMAX], lc[GMAX];
 #pragma unroll
   for (int g = 0; g < GMAX; ++g) {
