@@ -55,7 +55,7 @@ Cluster mass (issue 31): with ``mass="sub"`` (an index built with ``mass="sub"``
 launch is doublep_cluster_logits_sub, which reads each cluster's ``n_sub`` float32
 sub-centroids and int32 sizes (``n_sub`` times the centroid bytes) and writes the
 logsumexp mass in the same place; the other launches, the workspace and the diagnostics
-are the paper mode's. Pending GPU validation (tools/gpu/pending_gpu.sh step doublep-sub).
+are the paper mode's.
 
 Differences from the float64 reference: logits, weights and sums are float32, so a cluster
 whose cumulative estimated mass lies within float32 rounding of ``p1`` or ``p2`` (or whose
