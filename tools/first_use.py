@@ -5,12 +5,15 @@ Run twice in a row from the repository root, each in a fresh process: the first 
 CuPy's kernel cache and the k-means kernels' disk cache (stochattn/cuda/kmeans/diskcache.py),
 the second shows what a later process waits.
 
-    python -m tools.first_use [--out FILE.json] [--no-index-processes]
+    python -m tools.first_use [--out FILE.json] [--no-index-processes | --index-processes-only]
 
-It also runs the Double-P index build alone in two more fresh processes that share an
+It also runs the Double-P index build alone in three more fresh processes that share an
 empty temporary ``NUMBA_CACHE_DIR`` (row ``doublep_index_processes``): "cold", which
-compiles the k-means kernels and saves them, and "warm", which loads them; each reports
-its first and second build, and how many kernels it loaded from disk and compiled.
+compiles the k-means kernels and saves them (Numba's cache and the raw entries of
+stochattn/cuda/kmeans/raw.py), "warm", which launches the raw entries without importing
+Numba, and "warm_numba" (``STOCHATTN_KMEANS_RAW=0``), which loads Numba's cache; each
+reports its first and second build, its path ("raw" or "numba"), whether Numba was
+imported, and (where it was) how many kernels it loaded from disk and compiled.
 """
 
 from __future__ import annotations
@@ -51,27 +54,40 @@ def index_only() -> dict:
     import cupy as cp
 
     import stochattn
-    from stochattn.cuda.kmeans import diskcache, kernels
+    from stochattn.cuda.kmeans import rawplan
 
     _, k, v = _inputs(cp)
     row = {"import_and_inputs_s": round(time.perf_counter() - t_import, 3)}
     row.update(_twice(lambda: stochattn.build_doublep_index(k, v, n_clusters=N // 32), cp))
-    row["kernels_loaded"], row["kernels_compiled"] = diskcache.counts(kernels)
+    counts = rawplan.counts()
+    row["path"] = "raw" if counts["plans"] else "numba"  # raw: cubins launched without Numba
+    row["raw_launches"] = counts["launches"]
+    row["numba_imported"] = "numba" in sys.modules
+    if "stochattn.cuda.kmeans.raw" in sys.modules:  # what the export wrote, or why not
+        row["raw_export"] = sys.modules["stochattn.cuda.kmeans.raw"].export_report()
+    if row["numba_imported"]:  # (importing the kernels here would import Numba)
+        from stochattn.cuda.kmeans import diskcache, kernels
+
+        row["kernels_loaded"], row["kernels_compiled"] = diskcache.counts(kernels)
     return row
 
 
 def index_processes() -> dict:
-    """Cold and warm first index builds: two child processes, one empty cache directory."""
+    """Cold and warm first index builds: child processes sharing one empty cache directory:
+    "cold" (compiles through Numba, writes the disk cache and the raw entries), "warm" (the
+    raw entries: no Numba) and "warm_numba" (``STOCHATTN_KMEANS_RAW=0``: Numba's loads)."""
     out = {}
     with tempfile.TemporaryDirectory(prefix="stochattn-first-use-") as tmp:
         env = {k: v for k, v in os.environ.items()
-               if k not in ("STOCHATTN_KMEANS_CACHE", "NUMBA_ENABLE_CUDASIM")}
+               if k not in ("STOCHATTN_KMEANS_CACHE", "STOCHATTN_KMEANS_RAW",
+                            "NUMBA_ENABLE_CUDASIM")}
         env["NUMBA_CACHE_DIR"] = tmp
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        for name in ("cold", "warm"):
+        for name in ("cold", "warm", "warm_numba"):
+            child = dict(env, STOCHATTN_KMEANS_RAW="0") if name == "warm_numba" else env
             proc = subprocess.run([sys.executable, "-m", "tools.first_use", "--index-only"],
-                                  cwd=root, env=env, capture_output=True, text=True)
+                                  cwd=root, env=child, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(f"the {name} index process failed:\n{proc.stderr[-4000:]}")
             out[name] = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -84,11 +100,20 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-index-processes", action="store_true",
                     help="skip the cold and warm index builds in child processes")
     ap.add_argument("--index-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--index-processes-only", action="store_true",
+                    help="only the cold and warm index builds in child processes")
     args = ap.parse_args(argv)
     if args.index_only:
         row = index_only()
         print(json.dumps(row))
         return row
+    if args.index_processes_only:
+        rows = {"doublep_index_processes": index_processes()}
+        print(json.dumps(rows, indent=1))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(rows, f, indent=1)
+        return rows
     t_import = time.perf_counter()
     import cupy as cp
 

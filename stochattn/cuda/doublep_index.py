@@ -357,20 +357,14 @@ def _device_lens(api, seq_lens, like, batch: int, tokens: int, check: bool):
     return api.clip(api.astype(seq_lens, "int64"), 0, tokens)
 
 
-# numba.cuda, imported on first use (after the stochattn.cuda.kmeans package has applied
-# its NumPy compatibility fix). A module global, not a local, because Numba's simulator swaps the
-# ``cuda`` global of a kernel for its fake module.
-cuda = None
-
-
 def _kmeans_module():
-    global cuda
+    """The k-means host module (importing it imports no Numba: a build of CuPy arrays whose
+    kernels have raw entries never does; see stochattn.cuda.kmeans.raw)."""
     try:
         from .kmeans import host as kmeans
     except ImportError as e:  # numba-cuda missing
         raise ImportError("the GPU Double-P index needs numba-cuda: install stochattn[cuda13] "
                           "(or stochattn[cuda12])") from e
-    cuda = kmeans.cuda
     return kmeans
 
 

@@ -7,10 +7,14 @@
 - :mod:`.cache`: the plans lent to builds; :mod:`.kernels`: the Numba kernels;
 - :mod:`.diskcache`: the kernels' machine code on disk, for later processes
   (:func:`clear_disk_cache`);
-- :mod:`.launch`: Numba launches prepared once (:class:`.launch.Bound`).
+- :mod:`.launch`: Numba launches prepared once (:class:`.launch.Bound`);
+- :mod:`.raw`: the kernels' machine code as plain cubins ("raw entries") for processes that
+  must not import Numba, and :mod:`.rawplan`: a build plan's launches from them (CuPy
+  inputs).
 
 ``import stochattn.cuda.kmeans`` imports no Numba (the names below load :mod:`.host` on
-first access); it only makes NumPy safe for numba-cuda, once for every module here.
+first access, and :mod:`.host` imports Numba only on the Numba path); it only makes NumPy
+safe for numba-cuda, once for every module here.
 """
 
 import importlib

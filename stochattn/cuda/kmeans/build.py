@@ -1,7 +1,12 @@
 """Scratch buffers and launch sequence of :func:`stochattn.cuda.kmeans.kmeans_gpu` (whose
 docstring describes the algorithm) as a plan that repeated builds of one configuration
 reuse (:class:`BuildPlan`, cached by :mod:`stochattn.cuda.kmeans.cache`), and the GEMM of
-its assignment: cuBLAS on a GPU, a NumPy emulation under the CUDA simulator."""
+its assignment: cuBLAS on a GPU, a NumPy emulation under the CUDA simulator.
+
+Importing this module imports no Numba: a plan's launches come from its ``ops``, Numba's
+(:class:`_NumbaOps`: the kernels of :mod:`.kernels`, :class:`.launch.Bound`) or, for CuPy
+inputs whose kernels have raw entries, :class:`.rawplan.RawOps` (cubins launched without
+Numba, :mod:`.raw`)."""
 
 from __future__ import annotations
 
@@ -12,12 +17,41 @@ import warnings
 import numpy as np
 
 from . import diskcache as _diskcache
-from . import kernels as _k
-from .kernels import cuda
-from .launch import Bound
 
-_SIM = _k.SIM
-_TPB = _k.TPB
+_TPB = None  # kernels.TPB when this module first loaded the kernels (the grids' block size)
+
+
+def _kernels():
+    """The Numba kernels module (imports Numba)."""
+    global _TPB
+    try:
+        from . import kernels
+    except ImportError as e:  # numba-cuda missing
+        if "numba" not in str(e):
+            raise
+        raise ImportError("the Numba path of the GPU k-means needs numba-cuda: install "
+                          "stochattn[cuda13] (or stochattn[cuda12])") from e
+
+    if _TPB is None:
+        _TPB = kernels.TPB
+    return kernels
+
+
+def _numba_cuda():
+    return _kernels().cuda
+
+
+def _sim() -> bool:
+    """Whether the CUDA simulator runs the kernels (without importing Numba when the
+    kernels are not imported yet)."""
+    import sys
+
+    kernels = sys.modules.get(__name__.rsplit(".", 1)[0] + ".kernels")
+    if kernels is not None:
+        return bool(kernels.SIM)
+    from .raw import simulator
+
+    return simulator()
 
 
 def _pow2_at_most(n: int, cap: int) -> int:
@@ -36,7 +70,7 @@ def _empty(kind, like, shape, dtype):
 
         with cupy.cuda.Device(like.data.device_id):
             return cupy.empty(shape, dtype=dtype)
-    return cuda.device_array(shape, dtype=dtype)
+    return _numba_cuda().device_array(shape, dtype=dtype)
 
 
 def _stream_ptr(kind, device) -> int:
@@ -52,11 +86,17 @@ def _stream_ptr(kind, device) -> int:
     return 0
 
 
-def _geometry() -> tuple:
+def _geometry(k=None) -> tuple:
     """The launch-geometry constants a plan reads (tests change them under the simulator:
-    part of the plan cache key)."""
-    return (_TPB, _k.SCAN_TPB, _k.DIM_TPB, _k.LANES, _k.ROW_TILE, _k.TILES_PER_BLOCK,
-            _k.KH_TPB, _k.KH_ROWS, _k.KH_SHARED, _k.VEC)
+    part of the plan cache key); ``k``: the plan's kernel namespace (default: the Numba
+    kernels module)."""
+    if k is None:
+        k = _kernels()
+        tpb = _TPB
+    else:
+        tpb = k.TPB
+    return (tpb, k.SCAN_TPB, k.DIM_TPB, k.LANES, k.ROW_TILE, k.TILES_PER_BLOCK,
+            k.KH_TPB, k.KH_ROWS, k.KH_SHARED, k.VEC)
 
 
 _LOCAL = threading.local()
@@ -67,13 +107,14 @@ def _pinned_flags(n: int):
     synchronise the device)."""
     buf = getattr(_LOCAL, "flags", None)
     if buf is None or buf.shape[1] < n:
-        buf = _LOCAL.flags = cuda.pinned_array((2, max(n, 1)), dtype=np.int32)
+        buf = _LOCAL.flags = _numba_cuda().pinned_array((2, max(n, 1)), dtype=np.int32)
     return buf
 
 
 def _event():
     """A CUDA event without timing (the simulator's takes no arguments)."""
-    return cuda.event() if _SIM else cuda.event(timing=False)
+    cuda = _numba_cuda()
+    return cuda.event() if _sim() else cuda.event(timing=False)
 
 
 def _cupy_available() -> bool:
@@ -88,7 +129,7 @@ def _cupy_available() -> bool:
 def _use_gemm(method: str) -> bool:
     if method == "scan":
         return False
-    if _SIM:  # the simulator has no cuBLAS: "gemm" runs on a NumPy emulation of the GEMM
+    if _sim():  # the simulator has no cuBLAS: "gemm" runs on a NumPy emulation of the GEMM
         return method == "gemm"
     if _cupy_available():
         return True
@@ -235,8 +276,10 @@ class _Sizes:
     allocated by every build from the caller's framework and rebound.
     """
 
-    def __init__(self, B, Hkv, N, D, C, iterations, n_sink, window, gemm, scratch_bytes):
+    def __init__(self, B, Hkv, N, D, C, iterations, n_sink, window, gemm, scratch_bytes,
+                 vec=None):
         H = B * Hkv
+        vec = _kernels().VEC if vec is None else vec
         self.B, self.Hkv, self.N, self.D, self.H, self.C = B, Hkv, N, D, H, C
         self.iterations, self.gemm = iterations, gemm
         # Rows per problem: no sequence has more than N - n_sink - window middle tokens.
@@ -252,7 +295,7 @@ class _Sizes:
             pi=((H, 2), np.int32), pf=((H, 5), np.float32), cl=((H, 3, C), np.float32),
             rd=((3, iterations + 2, H), np.int32),  # row t: round t
             co=((H, 2, C + 1), np.int32), mu=((H, small or D), np.float32),
-            clq=((H, 2, _k.VEC, small or Cp // _k.VEC), np.float32))
+            clq=((H, 2, vec, small or Cp // vec), np.float32))
         self.per_build = dict(
             comp=((H, R1), np.uint64), hb=((H, 2, (1 << self.nbits) + 1), np.int32),
             bc=((H, 2, R1), np.int32), cent16=((H, small or C, small or D), np.float16))
@@ -267,6 +310,68 @@ class _Sizes:
                 for name, (shape, dtype) in self.per_build.items()}
 
 
+class _NumbaOps:
+    """What a :class:`BuildPlan` launches with on the Numba path: the kernels of
+    :mod:`.kernels` through :class:`.launch.Bound`, Numba's device arrays, events and pinned
+    memory. Before the launches are prepared it points the kernels' disk cache at the key of
+    the current module values (:mod:`.diskcache`); after, it writes the raw entries of the
+    launches for later processes (:func:`.raw.export`)."""
+
+    raw = False
+
+    def __init__(self):
+        self.k = _kernels()
+        self.tpb = _TPB
+        self._launches = []  # (kernel, args) of each launch prepared, for the export
+
+    def start(self) -> None:
+        _diskcache.attach(self.k)
+
+    def bound(self, kernel, grid, block, stream, args, mutable, rebind):
+        from .launch import Bound
+
+        self._launches.append((kernel, args))
+        return Bound(kernel, grid, block, stream, args, mutable=mutable, rebind=rebind)
+
+    def finish(self, stream) -> None:
+        launches, self._launches = self._launches, []
+        if self.k.SIM:
+            return
+        from . import raw
+
+        try:
+            raw.export(self.k, launches, stream)
+        except Exception as e:  # noqa: BLE001 - the export is an optimisation of later processes
+            if not _EXPORT_WARNED:
+                _EXPORT_WARNED.append(True)
+                warnings.warn(f"k-means raw entries not written ({type(e).__name__}: {e})",
+                              RuntimeWarning, stacklevel=3)
+
+    def scratch(self, kind, like, shape, dtype):
+        """``(framework buffer, the array the launches take)``."""
+        a = _empty(kind, like, shape, dtype)
+        return a, (a if kind in ("numpy", "cai") else
+                   self.k.cuda.as_cuda_array(a, sync=False))
+
+    def host_copy(self, host, stream):
+        return self.k.cuda.to_device(host, stream=stream)
+
+    def to_device(self, dev, host, stream) -> None:
+        dev.copy_to_device(host, stream=stream)
+
+    def to_host(self, dev, host, stream) -> None:
+        dev.copy_to_host(host, stream=stream)
+
+    def event(self):
+        return _event()
+
+    def pinned_flags(self, n: int):
+        return _pinned_flags(n)
+
+
+_EXPORT_WARNED: list = []
+
+
 class BuildPlan:
     """The launch sequence of :func:`kmeans_gpu` for one configuration (shapes, dtypes,
     options, stream), kept by the plan cache of :mod:`stochattn.cuda.kmeans.cache`: every
@@ -279,16 +384,20 @@ class BuildPlan:
     ``views``: the first build's Numba views of those arrays, by name (the launches are
     prepared with them; the plan keeps none of them). ``lens_mode``: "gpu" (rebound),
     "host" (copied into a buffer of the plan by :meth:`bind`) or "none" (N each).
+    ``ops``: the launches' backend (default :class:`_NumbaOps`; :class:`.rawplan.RawOps`
+    raises :class:`.raw.RawMiss` here when a launch has no raw entry).
     """
 
     in_use = False  # lent to a build (set by stochattn.cuda.kmeans.cache)
 
     def __init__(self, kind, like, device, stream, stream_ptr, sizes: _Sizes, n_sink, window,
-                 tol, lens_mode, views):
+                 tol, lens_mode, views, ops=None):
         z = sizes
+        self.ops = ops = _NumbaOps() if ops is None else ops
+        self.k = k = ops.k
         # Preparing the launches compiles the kernels (or loads them from the disk cache
         # of the current module constants: stochattn.cuda.kmeans.diskcache).
-        _diskcache.attach(_k)
+        ops.start()
         self.kind, self.stream, self.sizes, self.lens_mode = kind, stream, z, lens_mode
         self.C, self.D, self.H, self.N, self.R = z.C, z.D, z.H, z.N, z.R
         self.iterations, self.gemm, self.tol = z.iterations, z.gemm, tol
@@ -296,33 +405,35 @@ class BuildPlan:
         self._keep = []  # framework buffers behind the Numba views of the cached scratch
 
         def buf(shape, dtype):
-            a = _empty(kind, like, shape, dtype)
+            a, view = ops.scratch(kind, like, shape, dtype)
             self._keep.append(a)
-            return a if kind in ("numpy", "cai") else cuda.as_cuda_array(a, sync=False)
+            return view
 
         for name, (shape, dtype) in z.cached.items():
             setattr(self, name, buf(shape, dtype))
         if lens_mode == "gpu":
             self.lens = _Slot("lens")
         else:  # a constant buffer of N each, or the host lengths' copy (bind)
-            self.lens = cuda.to_device(np.full(z.B, z.N, dtype=np.int64), stream=stream)
+            self.lens = ops.host_copy(np.full(z.B, z.N, dtype=np.int64), stream)
         self._rd_rows = [self.rd[1, t] for t in range(z.iterations + 2)]  # the stop flags
-        self.row_grid = (max(1, -(-self.R // _TPB)), self.H)
-        self.dim_threads = _pow2_at_most(self.D, _k.DIM_TPB)
-        self.events = (_event(), _event())
+        self.tpb = ops.tpb
+        self.row_grid = (max(1, -(-self.R // self.tpb)), self.H)
+        self.dim_threads = _pow2_at_most(self.D, k.DIM_TPB)
+        self.events = (ops.event(), ops.event())
         self._first = _derived_views(views)
         self._users = {}  # slot name -> [(Bound, argument position)]
         self._bounds = []
         self._setup_launches()
         self.rounds = self._round_launches()
+        ops.finish(stream)
         if self.gemm:
-            if _SIM:
+            if k.SIM:
                 self.gemm_call = _EmulatedGemm(z.Rc, z.Cp)
             else:
                 self.gemm_call = _CublasGemm(device, stream_ptr, z.per_build["cent16"][0],
                                              z.per_build["keys16"][0], z.Rc, z.Cp)
         self._first = None
-        self.needs_views = _SIM or not all(b.prepared for b in self._bounds)
+        self.needs_views = bool(k.SIM) or not all(b.prepared for b in self._bounds)
 
     # -- launches ------------------------------------------------------------------------
 
@@ -330,7 +441,7 @@ class BuildPlan:
         """A :class:`Bound` launch of ``kernel``; :class:`_Slot` arguments are rebound."""
         slots = [i for i, a in enumerate(args) if isinstance(a, _Slot)]
         real = [self._first[a.name] if isinstance(a, _Slot) else a for a in args]
-        launch = Bound(kernel, grid, block, self.stream, real, mutable=mutable, rebind=slots)
+        launch = self.ops.bound(kernel, grid, block, self.stream, real, mutable, slots)
         for i in slots:
             self._users.setdefault(args[i].name, []).append((launch, i))
         self._bounds.append(launch)
@@ -341,7 +452,7 @@ class BuildPlan:
         token ranges, the seeding (the seed words are mutable scalars), the GEMM path's
         centring and float16 keys, the final CSR and the statistics."""
         ns, hkv, H, C, R = self.ns, self.hkv, self.H, self.C, self.R
-        S = _Slot
+        S, _k, _TPB = _Slot, self.k, self.tpb
         pf, rd, co = (a.reshape(a.size) for a in (self.pf, self.rd, self.co))
         n_zero = max(pf.size, rd.size, co.size, self._first["hb_flat"].size)
         self.zero = self._bound(_k.zero_scratch, -(-n_zero // _TPB), _TPB,
@@ -390,6 +501,7 @@ class BuildPlan:
         (scan_fill, fill, rank: a stable counting sort by label, each cluster in position
         order) and the means."""
         ns, hkv, H, C, S = self.ns, self.hkv, self.H, self.C, _Slot
+        _k, _TPB = self.k, self.tpb
         t0 = np.int64(1)
         out = {}
         if self.gemm:
@@ -430,7 +542,7 @@ class BuildPlan:
         :attr:`needs_views`: the simulator, or a launch that could not be prepared);
         ``host_lens``: int64 host lengths (``lens_mode == "host"``), copied on the stream."""
         if host_lens is not None:
-            self.lens.copy_to_device(host_lens, stream=self.stream)
+            self.ops.to_device(self.lens, host_lens, self.stream)
         if self.needs_views:
             if views is None:
                 raise ValueError("`views` are required by this plan (unprepared launches)")
@@ -447,7 +559,7 @@ class BuildPlan:
                     launch.rebind(i, ptr=ptr)
         if self.gemm:
             names = ("cent16", "keys16", "G")
-            if _SIM:
+            if self.k.SIM:
                 self.gemm_call.rebind(*(views[n] for n in names))
             else:
                 self.gemm_call.rebind(*(_ptr(arrays[n]) for n in names))
@@ -456,7 +568,7 @@ class BuildPlan:
         """Forget this build's arrays (a plain launch would keep them alive)."""
         for launch in self._bounds:
             launch.release()
-        if self.gemm and _SIM:
+        if self.gemm and self.k.SIM:
             self.gemm_call.rebind(None, None, None)
 
     def run(self, seed: int) -> None:
@@ -476,7 +588,7 @@ class BuildPlan:
             self.keys_half()
         self.seed_centroids()
         rounds, s = self.rounds, self.stream
-        flags = _pinned_flags(H)
+        flags = self.ops.pinned_flags(H)
         events = self.events
         final = None
         for t in range(1, self.iterations + 1):
@@ -489,7 +601,7 @@ class BuildPlan:
                     break
             for name in ("scan_fill", "fill", "rank", "mean"):
                 rounds[name](t)
-            self._rd_rows[t].copy_to_host(flags[t % 2, :H], stream=s)
+            self.ops.to_host(self._rd_rows[t], flags[t % 2, :H], s)
             events[t % 2].record(s)
         if final is None:
             final = self.iterations + 1

@@ -82,7 +82,11 @@ lengths in the prepared lists and launches: no Numba argument handling, no
 thread's build of the same configuration builds uncached). The kernels themselves are
 compiled once per process, or loaded from the disk cache of an earlier process
 (:mod:`stochattn.cuda.kmeans.diskcache`: keyed on the kernels' sources and module
-constants; off with ``STOCHATTN_KMEANS_CACHE=0``; :func:`clear_disk_cache`).
+constants; off with ``STOCHATTN_KMEANS_CACHE=0``; :func:`clear_disk_cache`). For CuPy
+inputs, a process whose kernels have raw entries (:mod:`stochattn.cuda.kmeans.raw`, written
+by an earlier process's Numba build) launches those cubins without importing Numba
+(:mod:`stochattn.cuda.kmeans.rawplan`; same machine code, same arguments); anything missing
+takes the Numba path (off alone: ``STOCHATTN_KMEANS_RAW=0``).
 
 Limits: ``B * Hkv < 65536`` (grid axis y). Memory, beyond the outputs: the float16 keys
 (H, N, D) and the score chunk for the GEMM path, and a few (H, N) integer arrays, all
@@ -92,14 +96,14 @@ allocated by each build from the caller's framework (Numba's allocator for NumPy
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda  # the package's __init__ has made NumPy safe for numba-cuda
 
 from ... import _validation as val
 from ...spec import DEFAULT_TOL, check_tol
 from ..runtime.arrays import ArrayMeta
+from . import build as _build
 from . import cache as _kmeans_cache
+from . import raw as _raw
 from .diskcache import clear_disk_cache
-from . import kernels as _k
 from .build import BuildPlan as _BuildPlan
 from .build import _empty, _geometry, _Sizes, _stream_ptr, _use_gemm
 from .launch import array_layout
@@ -107,10 +111,25 @@ from .launch import array_layout
 __all__ = ["kmeans_gpu", "GEMM_SCRATCH_BYTES", "BUILD_CACHE_SIZE", "clear_build_cache",
            "clear_disk_cache"]
 
-_SIM = _k.SIM
-_TPB = _k.TPB
 _MAX_PROBLEMS = 65535  # grid axis y
-_philox_x0 = _k.philox_x0  # the tests call it directly
+# Configurations (plan cache keys without the backend) whose raw plan missed an entry in
+# this process: they take the Numba path without looking again.
+_raw_missed: set = set()
+
+
+def __getattr__(name):
+    """Numba's names, imported on first use (the raw path never imports Numba): ``cuda``
+    (numba.cuda), ``_k`` (the kernels), ``_SIM``, ``_TPB``, ``_philox_x0`` (the tests call
+    it directly)."""
+    if name == "cuda":
+        return _build._numba_cuda()
+    if name == "_k":
+        return _build._kernels()
+    if name in ("_SIM", "_TPB"):
+        return getattr(_build._kernels(), name[1:])
+    if name == "_philox_x0":
+        return _build._kernels().philox_x0
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 #: Largest float16 score chunk of the GEMM path, in bytes (a module attribute, read at
 #: every call): tokens are processed in chunks of ``GEMM_SCRATCH_BYTES // (2 H C)`` rows.
@@ -154,11 +173,12 @@ def _device_of(kind, a) -> int:
         return a.get_device()
     if kind == "cupy":
         return a.data.device_id
-    return cuda.get_current_device().id
+    return _build._numba_cuda().get_current_device().id
 
 
 def _stream(kind, device):
     """The stream to launch on: the framework's current one (no host synchronisation)."""
+    cuda = _build._numba_cuda()
     if kind == "torch":
         import torch
 
@@ -263,7 +283,34 @@ def kmeans_gpu(k, v, seq_lens=None, *, n_clusters, iterations=10, n_sink=4, wind
     gemm = _use_gemm(method)
 
     device = _device_of(kind, k)
-    ctx = cuda.gpus[device] if kind in ("torch", "cupy") and not _SIM else _NullContext()
+    args = (kind, k, v, seq_lens, device, B, Hkv, N, D, n_clusters, iterations, n_sink,
+            window, seed, tol, gemm)
+    if kind == "cupy":
+        from .rawplan import ops_for
+
+        ops = ops_for(device)
+        if ops is not None:
+            try:
+                return _run(ops, *args)
+            except _raw.RawMiss:
+                pass  # no launch ran: the Numba path builds the same index
+    return _run(None, *args)
+
+
+def _run(ops, kind, k, v, seq_lens, device, B, Hkv, N, D, n_clusters, iterations, n_sink,
+         window, seed, tol, gemm):
+    """One build with the plan of its configuration (``ops``: a raw backend, or None for
+    Numba's); raises :class:`.raw.RawMiss` before any launch when the raw backend lacks an
+    entry."""
+    raw = ops is not None
+    if raw:
+        import cupy
+
+        cuda, ctx = None, cupy.cuda.Device(device)
+    else:
+        cuda = _build._numba_cuda()
+        ctx = (cuda.gpus[device] if kind in ("torch", "cupy") and not _build._sim()
+               else _NullContext())
     with ctx:
         lens_arr, host_lens, lens_key = _lens(seq_lens, B, N)
         if kind == "numpy":  # copies on the legacy default stream (as every NumPy build)
@@ -280,13 +327,17 @@ def kmeans_gpu(k, v, seq_lens=None, *, n_clusters, iterations=10, n_sink=4, wind
             layout = (k.dtype.str, k.strides, v.strides)
         stream_ptr = _stream_ptr(kind, device)
         key = (kind, device, stream_ptr, B, Hkv, N, D, layout, n_clusters, iterations, n_sink,
-               window, tol, gemm, GEMM_SCRATCH_BYTES, lens_key, _geometry())
+               window, tol, gemm, GEMM_SCRATCH_BYTES, lens_key,
+               "raw" if raw else "numba", _geometry(ops.k) if raw else _geometry())
+        if raw and key in _raw_missed:
+            raise _raw.RawMiss("this configuration missed a raw entry before")
         limit = BUILD_CACHE_SIZE
         plan = _kmeans_cache.acquire(key) if limit > 0 else None
         cached = plan is not None  # lent by the cache: hand it back whatever happens
         try:
             sizes = plan.sizes if cached else _Sizes(B, Hkv, N, D, n_clusters, iterations,
-                                                     n_sink, window, gemm, GEMM_SCRATCH_BYTES)
+                                                     n_sink, window, gemm, GEMM_SCRATCH_BYTES,
+                                                     vec=ops.k.VEC if raw else None)
             outs = dict(
                 centroids=_empty(kind, k, (B, Hkv, n_clusters, D), np.float32),
                 sizes=_empty(kind, k, (B, Hkv, n_clusters), np.int64),
@@ -297,19 +348,28 @@ def kmeans_gpu(k, v, seq_lens=None, *, n_clusters, iterations=10, n_sink=4, wind
             )
             # This build's arrays (the scratch from the caller's framework: freed when the
             # call returns, stream-ordered there); Numba views only where needed (a cache
-            # hit on a GPU rebinds data pointers only).
+            # hit on a GPU rebinds data pointers only; the raw path takes CuPy's arrays).
             arrays = dict(outs, k=k, v=v, **sizes.scratch(kind, k))
             if lens_arr is not None:
                 arrays["lens"] = lens_arr
             views = None
             if not cached or plan.needs_views:
-                views = {name: a if hasattr(a, "copy_to_host")  # Numba's (or simulated)
-                         else cuda.as_cuda_array(a, sync=False) for name, a in arrays.items()}
+                views = dict(arrays) if raw else {
+                    name: a if hasattr(a, "copy_to_host")  # Numba's (or simulated)
+                    else cuda.as_cuda_array(a, sync=False) for name, a in arrays.items()}
             if not cached:
-                stream = _stream(kind, device) if kind != "numpy" else stream
+                if raw:
+                    stream = cupy.cuda.get_current_stream()
+                elif kind != "numpy":
+                    stream = _stream(kind, device)
                 lens_mode = lens_key if lens_key in ("none", "host") else "gpu"
-                plan = _BuildPlan(kind, k, device, stream, stream_ptr, sizes, n_sink, window,
-                                  tol, lens_mode, views)
+                extra = dict(ops=ops) if raw else {}
+                try:
+                    plan = _BuildPlan(kind, k, device, stream, stream_ptr, sizes, n_sink,
+                                      window, tol, lens_mode, views, **extra)
+                except _raw.RawMiss:
+                    _raw_missed.add(key)
+                    raise
                 cached = _kmeans_cache.offer(key, plan, limit)
             plan.bind(arrays, views, host_lens)
             plan.run(seed)
@@ -342,7 +402,7 @@ def _lens(seq_lens, B: int, N: int):
         shape, strides = tuple(seq_lens.shape), tuple(seq_lens.stride())
     else:
         if module != "cupy" and not hasattr(seq_lens, "copy_to_host"):  # not Numba's
-            seq_lens = cuda.as_cuda_array(seq_lens, sync=False)
+            seq_lens = _build._numba_cuda().as_cuda_array(seq_lens, sync=False)
         dtype = np.dtype(seq_lens.dtype).name
         shape, strides = tuple(seq_lens.shape), tuple(seq_lens.strides)
     if shape != (B,):
