@@ -22,6 +22,12 @@ others replaced by no-ops (:func:`launch_slots`: pass 1, each pilot set, the mom
 budget kernels, the main draws), as ``launch_<name>_us``: where the overhead goes, for a
 GPU image without Nsight Systems.
 
+With ``--doublep`` the same comparison for Double-P's sampled variant at (0.95, 0.7) (issue
+32, error-targeted budgets on its C_approx; ``--doublep-settings``): ``DoublePPlan(eps=...)``
+against ``DoublePPlan(budget=ceil(mean S))`` and at ``max_budget``, on one GPU index
+(``tokens / 32`` clusters, 4 Lloyd iterations, built for the first sequence and stacked
+over the batch, untimed), plus the share of heads that drew a pilot and the mean pilot.
+
 Timing: ``steady`` and ``graph`` as bench_decode (the targeted call takes device offsets
 only through its plan's ``advance_offset``; here host offsets, fixed per timing). Writes
 benchmarks/results/bench_budgets.{json,csv} (``--out``) and prints a table.
@@ -45,6 +51,13 @@ SETTINGS = {
     "0.1/0.1 clt pilot64": (0.1, 0.1, "clt", "pilot", 64),
     "0.1/0.1 clt student256": (0.1, 0.1, "clt", "student", 256),
     "0.2/0.1 chebyshev pilot64": (0.2, 0.1, "chebyshev", "pilot", 64),
+}
+# Double-P (eps, delta, rule, norm, pilot): the pilot cap of "auto" is generous (only what
+# pays is drawn; docs/budgets.md).
+DOUBLEP_SETTINGS = {
+    "dp 0.1/0.1 clt auto4096": (0.1, 0.1, "clt", "auto", 4096),
+    "dp 0.1/0.1 clt pilot64": (0.1, 0.1, "clt", "pilot", 64),
+    "dp 0.2/0.1 chebyshev bound": (0.2, 0.1, "chebyshev", "bound", 64),
 }
 
 
@@ -90,15 +103,21 @@ def main(argv=None):
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--launches", action="store_true",
                     help="also each launch of the targeted call alone (graph replay)")
+    ap.add_argument("--doublep", action="store_true",
+                    help="Double-P's sampled variant at (0.95, 0.7) instead of S²ANTA-prop")
+    ap.add_argument("--doublep-settings", default=",".join(DOUBLEP_SETTINGS),
+                    help=f"comma-separated names of {sorted(DOUBLEP_SETTINGS)}")
     ap.add_argument("--out", default=os.path.join(RESULTS, "bench_budgets"))
     args = ap.parse_args(argv)
     torch = _torch()
     import stochattn
 
-    settings = [s.strip() for s in args.settings.split(",") if s.strip()]
-    unknown = [s for s in settings if s not in SETTINGS]
+    table = DOUBLEP_SETTINGS if args.doublep else SETTINGS
+    names = args.doublep_settings if args.doublep else args.settings
+    settings = [s.strip() for s in names.split(",") if s.strip()]
+    unknown = [s for s in settings if s not in table]
     if unknown:
-        raise SystemExit(f"unknown --settings {unknown}; known: {sorted(SETTINGS)}")
+        raise SystemExit(f"unknown settings {unknown}; known: {sorted(table)}")
     try:
         cases = [(8, 32768)] if args.quick else [
             tuple(int(n) for n in c.split(":")) for c in args.cases.split(",") if c.strip()]
@@ -107,7 +126,8 @@ def main(argv=None):
     meta = dict(date=time.strftime("%Y-%m-%d"), card=torch.cuda.get_device_name(),
                 torch=torch.__version__, python=platform.python_version(),
                 shape=dict(Hq=HQ, Hkv=HKV, D=D), dtype="float16", inputs=args.inputs,
-                max_budget=args.max_budget)
+                max_budget=args.max_budget,
+                estimator="doublep (0.95, 0.7) sampled" if args.doublep else "santa prop")
     rows = []
     for B, N in cases:
         q, k, v, source = make_inputs(B, N, torch.float16, inputs=args.inputs)
@@ -115,30 +135,46 @@ def main(argv=None):
         sq = stochattn.value_sqnorms(v)
         t = Timing.for_floor(B * HKV * N * D * 2 / 3e12 * 1e6)
         out = torch.empty_like(q)
+        extra = {}
+        if args.doublep:  # one index, built for the first sequence, stacked (untimed)
+            from stochattn.doublep import DoublePIndex
+
+            one = stochattn.build_doublep_index(k[:1], v[:1], n_clusters=max(1, N // 32),
+                                                iterations=4)
+            extra["index"] = DoublePIndex.stack([one] * B) if B > 1 else one
 
         def timed(plan, **call):
-            run = lambda: plan.run(q, k, v, out=out, seed=1, offset=0, **call)  # noqa: E731
+            run = lambda: plan.run(q, k, v, out=out, seed=1, offset=0, **extra,  # noqa: E731
+                                   **call)
             run()
             return dict(steady_us=time_steady(run, t),
                         graph_us=None if args.no_graphs else time_graph(run, t))
 
         fixed = {}
 
+        def make(**opts):
+            if args.doublep:
+                return stochattn.DoublePPlan(approx="sample", p1=0.95, p2=0.7, device="cuda",
+                                             **opts)
+            return stochattn.SantaPlan(device="cuda", **opts)
+
         def fixed_at(S):
             if S not in fixed:
-                fixed[S] = timed(stochattn.SantaPlan(budget=S, device="cuda"))
+                fixed[S] = timed(make(budget=S))
             return fixed[S]
 
         for name in settings:
-            eps, delta, rule, norm, pilot = SETTINGS[name]
+            eps, delta, rule, norm, pilot = table[name]
             row = dict(batch=B, tokens=N, setting=name)
             try:
-                plan = stochattn.SantaPlan(eps=eps, delta=delta, max_budget=args.max_budget,
-                                           budget_rule=rule, budget_norm=norm, pilot=pilot,
-                                           device="cuda")
-                _, diag = plan.diagnose(q, k, v, seed=1, offset=0, v_sqnorms=sq)
+                plan = make(eps=eps, delta=delta, max_budget=args.max_budget, budget_rule=rule,
+                            budget_norm=norm, pilot=pilot)
+                _, diag = plan.diagnose(q, k, v, seed=1, offset=0, v_sqnorms=sq, **extra)
                 row["mean_budget"] = float(_host(diag.budget).mean())
                 row["capped_share"] = float(_host(diag.budget_capped).mean())
+                pilots = _host(diag.budget_pilot)
+                row["pilot_share"] = float((pilots > 0).mean())
+                row["mean_pilot"] = float(pilots.mean())
                 row.update({f"targeted_{k_}": x for k_, x in timed(plan, v_sqnorms=sq).items()})
                 if args.launches:
                     run = lambda: plan.run(q, k, v, out=out, seed=1, offset=0,  # noqa: E731
@@ -162,6 +198,7 @@ def main(argv=None):
             rows.append(row)
             _write(rows, meta, args.out)
         fixed.clear()
+        extra.clear()
         torch.cuda.empty_cache()
     _write(rows, meta, args.out)
     print(f"{'B':>3} {'N':>7} {'setting':<26} {'mean S':>7} {'capped':>6} {'targeted':>9} "

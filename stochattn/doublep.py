@@ -729,10 +729,13 @@ def doublep_attention(q, k, v=None, seq_lens=None, *, index, p1=0.95, p2=0.7, ap
         norms alone; and ``"auto"``: per head the cheapest of that bound, a pilot sized by
         C_approx's weight and reading C_approx's values, ``pilot`` then the most a head
         reads before its main draws (give a generous one, e.g. 4096: only what pays is
-        drawn). The reference (NumPy) only for now: a GPU plan refuses them.
+        drawn). On the GPU (docs/budgets.md: its cost against fixed S) with
+        ``budget_norm`` "pilot", "bound" or "auto", the budgets chosen on the device;
+        "student" is the reference's only (a GPU plan refuses it, naming it).
     v_sqnorms : array (B, Hkv, N), optional
         ||v_j||^2 per token (:func:`stochattn.value_sqnorms`), read with ``eps``; computed
-        from ``v`` when left out.
+        from ``v`` when left out on the reference, required on the GPU (float32, on the
+        device; a paged cache's in the V pool's shape without D).
     mass : {"paper", "sub"}
         The clusters' estimated mass log Zhat_i (issue 31): ``"paper"`` (default)
         ``scale q.C_i + log s_i``; ``"sub"`` the logsumexp over the cluster's sub-centroids
@@ -893,9 +896,12 @@ class _DecodePlan(AttentionPlan):
                 workspace=None, v_sqnorms=None):
         _check_index_mass(index, getattr(self, "mass", "paper"))
         if backend == "cuda":
+            options = self._kernel_options(seed, offset)
+            if self.eps is not None:  # the norms beside the cache, required on the GPU
+                options["v_sqnorms"] = v_sqnorms
             return _decode_cuda(self.function, q, k, v, seq_lens, index, self.softmax_scale,
                                 self.check_finite, diagnose, out=out, workspace=workspace,
-                                **self._kernel_options(seed, offset))
+                                **options)
         backend_of(q=q, k=k, v=v, seq_lens=seq_lens)  # host seq_lens only, for the reference
         shape = val.check_attention_inputs(q, k, v, seq_lens)
         if getattr(self, "budget", None) is not None:
@@ -988,16 +994,23 @@ class DoublePPlan(_DecodePlan):
                     budget_norm=self.budget_norm, mass=self.mass, **super().options())
 
     def _cuda_missing(self) -> list[str]:
+        missing = []
         if self.eps is not None:
-            return ["error-targeted budgets (`eps`) of Double-P's sampled variant; the "
-                    "reference has them, the GPU kernels not yet"]
-        return []
+            from .cuda.doublep import SPLIT_NORMS_MISSING
+
+            if self.budget_norm in SPLIT_NORMS_MISSING:
+                missing.append(SPLIT_NORMS_MISSING[self.budget_norm])
+        return missing
 
     def _kernel_options(self, seed, offset) -> dict:
         if self.approx == "centroid":
             return dict(p1=self.p1, p2=self.p2, mass=self.mass)
+        targeted = {} if self.eps is None else dict(
+            eps=self.eps, delta=self.delta, max_budget=self.max_budget,
+            budget_rule=self.budget_rule, budget_norm=self.budget_norm, pilot=self.pilot,
+            pilot_share=self.pilot_share)
         return dict(p1=self.p1, p2=self.p2, budget=self.budget, sampler=self.sampler,
-                    seed=seed, offset=offset, mass=self.mass)
+                    seed=seed, offset=offset, mass=self.mass, **targeted)
 
     def _reference(self, q, k, v, lens, index, scale, seed, offset, v_sqnorms=None):
         targeted = {} if self.eps is None else dict(

@@ -44,6 +44,15 @@ and for the sampled variant (budget S, ``n_tiles = ceil(N / 64)``, ``n_pad = 64 
   + 4 B + 16 rows n_tiles         lengths, tile max / sum / prefix
   + 8 rows (S + 1) (iid; else 8) + 4 rows S    iid points, drawn rows
 
+and with error-targeted budgets (``eps``; S = ``max_budget`` above, :func:`split_scratch_sizes`;
+``chunks = ceil(N / 4096)``)::
+
+  + 32 rows chunks               m2_A's chunk sums (num, den, max norm, count)
+  + 64 rows + 8 rows D           the rows' split state, w_E o_E (float64)
+  + 4 rows D + 8 rows            the pilot's fp32 mean and its (max, sum)
+  + 4 rows pilot + 4 rows        the pilot's drawn rows (and the exact read's list), S0
+  + 40 rows                      budget, capped, error bound, L^2, m2_A, variance bound
+
 With ``out=`` and a workspace that holds this (a kept ``Workspace`` after a first call,
 or a caller's uint8 array), a call allocates nothing, copies nothing to the host and does
 not synchronise (so it can be captured in a CUDA graph, device offsets included). The
@@ -75,7 +84,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import _validation as val
-from ..spec import PURPOSE_CLUSTER_SAMPLER, SAMPLERS
+from ..spec import PURPOSE_BUDGET_PILOT, PURPOSE_CLUSTER_SAMPLER, SAMPLERS
 from . import kernels
 from .kernels import abi
 from .runtime import inputs, launch
@@ -85,9 +94,11 @@ from .runtime.arrays import ops_for, to_host
 from .kernels import group_max
 from .config import get_config
 from .santa import _SAMPLE_THREADS, _TILE_LOGITS_PER_CTA, _TILE_THREADS, _TILES_VARIABLE, \
-    SAMPLE_VARIABLE, sampler_code
+    _MOMENT_VARIABLE, MOMENT_FIELDS, PAGE_VARIABLE, SAMPLE_VARIABLE, moment_chunks, \
+    sampler_code, sqnorms_args
 
-__all__ = ["doublep_decode", "workspace_bytes", "SORT_SELECT_MAX_CLUSTERS"]
+__all__ = ["doublep_decode", "workspace_bytes", "split_scratch_sizes", "split_constants",
+           "SplitBudgets", "SPLIT_NORMS_GPU", "SORT_SELECT_MAX_CLUSTERS"]
 
 #: Largest cluster count whose selection sorts the keys in shared memory (8 bytes each);
 #: above it the radix select runs. Read when a plan is made (tests set it to 0 to compare).
@@ -128,7 +139,9 @@ MASSES = ("paper", "sub")
 def doublep_decode(q, k, v, index, *, p1=1.0, p2=1.0, clusters=None, budget=None,
                    sampler="systematic", seed=0, offset=0, softmax_scale=None,
                    return_diagnostics=False, return_indices=False, num_chunks=None, out=None,
-                   workspace=None, mass="paper"):
+                   workspace=None, mass="paper", eps=None, delta=None, max_budget=None,
+                   budget_rule="chebyshev", budget_norm="pilot", pilot=64, pilot_share=0.25,
+                   v_sqnorms=None, return_budgets=False):
     """One decode step of Double-P (centroid approximation, or with ``budget`` the sampled
     variant) or, with ``clusters``, of fixed top-k clusters, on the GPU.
 
@@ -159,7 +172,20 @@ def doublep_decode(q, k, v, index, *, p1=1.0, p2=1.0, clusters=None, budget=None
         k_rows_read, v_rows_read (B, Hkv).
     return_indices : bool
         With ``budget``: also return the drawn rows (B, Hq, budget) int64, -1 for a head
-        without C_approx tokens (it draws nothing).
+        without C_approx tokens (it draws nothing). With ``eps``: the main draws (B, Hq,
+        max_budget), a row's S indices then -1, and the pilot's (B, Hq, pilot), -1 past a
+        row's pilot (None under ``budget_norm="bound"``, which draws none).
+    eps, delta, max_budget, budget_rule, budget_norm, pilot, pilot_share : optional
+        Error-targeted budgets of the sampled variant (``budget`` None), as
+        :func:`stochattn.reference.split_budgets.choose_split_budgets` chooses them, on the
+        device (no host synchronisation): ``budget_norm`` "pilot", "bound" or "auto"
+        (:data:`SPLIT_NORMS_GPU`; "student" is the reference's only for now). A row with S
+        draws the points of a fixed-budget call with S, and its output is that call's.
+    v_sqnorms : GPU array of float32, required with ``eps``
+        ||v_j||^2 beside the cache (:func:`stochattn.value_norms.value_sqnorms`): (B, Hkv, N)
+        for a contiguous cache, the V pool's shape without D for a paged one.
+    return_budgets : bool
+        With ``eps``: also return a :class:`SplitBudgets` of fresh GPU arrays.
     num_chunks : int, optional
         Token chunks of the attention launch (tests and tuning); default fills the GPU.
     out : GPU array (B, Hq, D) of ``q``'s dtype and framework, optional
@@ -183,12 +209,24 @@ def doublep_decode(q, k, v, index, *, p1=1.0, p2=1.0, clusters=None, budget=None
     Returns
     -------
     out : GPU array (B, Hq, D), dtype of ``q``, in the caller's framework
-    indices : GPU array, only with ``return_indices``
-    diagnostics : dict, only with ``return_diagnostics``
+    indices : GPU array, only with ``return_indices`` (with ``eps``: then the pilot's)
+    budgets : SplitBudgets, only with ``return_budgets``
+    diagnostics : dict, only with ``return_diagnostics`` (with ``eps`` also budget,
+        budget_capped, error_bound and budget_pilot, (B, Hq) NumPy arrays)
     """
     centroid = clusters is None
     if budget is not None and not centroid:
         raise ValueError("`budget` (the sampled variant) and `clusters` (top-k) exclude each other")
+    targeted = None
+    if eps is not None:
+        if budget is not None or not centroid:
+            raise ValueError("`eps` (error-targeted budgets of the sampled variant) needs "
+                             "budget=None and clusters=None")
+        targeted = targeted_of(eps, delta, max_budget, budget_rule, budget_norm, pilot,
+                               pilot_share)
+        budget = targeted.max_budget  # the scratch and the indices are sized by it
+    elif return_budgets or v_sqnorms is not None:
+        raise ValueError("`return_budgets` and `v_sqnorms` need `eps` (error-targeted budgets)")
     if return_indices and budget is None:
         raise ValueError("`return_indices` needs `budget` (only the sampled variant draws rows)")
     sample = _sample_of(budget, sampler)
@@ -196,21 +234,29 @@ def doublep_decode(q, k, v, index, *, p1=1.0, p2=1.0, clusters=None, budget=None
         seed, offset = inputs.check_stream_words(seed, offset)
     sub = _sub_of(mass, centroid)
     inp, ix, plan = _plan(q, k, v, index, clusters is None, sample, softmax_scale, num_chunks,
-                          sub)
+                          sub, targeted)
     return plan.run(inp, ix, int(index.n_sink), float(p1), float(p2),
                     0 if clusters is None else int(clusters), bool(return_diagnostics),
-                    (seed, offset), bool(return_indices), out, workspace)
+                    (seed, offset), bool(return_indices), out, workspace, v_sqnorms,
+                    bool(return_budgets))
 
 
 def workspace_bytes(q, k, v, index, *, clusters=None, budget=None, sampler="systematic",
-                    softmax_scale=None, num_chunks=None, mass="paper") -> int:
+                    softmax_scale=None, num_chunks=None, mass="paper", eps=None, delta=None,
+                    max_budget=None, budget_rule="chebyshev", budget_norm="pilot", pilot=64,
+                    pilot_share=0.25) -> int:
     """Scratch bytes of one :func:`doublep_decode` call with these arrays and options (the
     module docstring's formula; the token chunks depend on the device's SM count): what a
     ``workspace=`` array must hold. Builds (or finds) the launch plan; launches nothing."""
     if budget is not None and clusters is not None:
         raise ValueError("`budget` (the sampled variant) and `clusters` (top-k) exclude each other")
+    targeted = None
+    if eps is not None:
+        targeted = targeted_of(eps, delta, max_budget, budget_rule, budget_norm, pilot,
+                               pilot_share)
+        budget = targeted.max_budget
     return _plan(q, k, v, index, clusters is None, _sample_of(budget, sampler), softmax_scale,
-                 num_chunks, _sub_of(mass, clusters is None))[2].scratch_bytes
+                 num_chunks, _sub_of(mass, clusters is None), targeted)[2].scratch_bytes
 
 
 def _sub_of(mass, centroid) -> bool:
@@ -227,15 +273,17 @@ def _sample_of(budget, sampler):
                    _SAMPLE_TILE)
 
 
-def _plan(q, k, v, index, centroid, sample, softmax_scale, num_chunks, sub=False):
+def _plan(q, k, v, index, centroid, sample, softmax_scale, num_chunks, sub=False,
+          targeted=None):
     """``(inputs, index arrays, cached _DoublePPlan)`` of a call."""
     inp = inputs.gather(q, k, v)
     ix = _IndexArrays.of(index, sub)
     cfg = get_config(inp.device)
     key = ("doublep", inp.key, ix.key, centroid, sample, type(softmax_scale), softmax_scale,
-           type(num_chunks), num_chunks, cfg, SORT_SELECT_MAX_CLUSTERS, sub)
+           type(num_chunks), num_chunks, cfg, SORT_SELECT_MAX_CLUSTERS, sub, targeted)
     plan = inputs.cached_plan(
-        key, lambda: _DoublePPlan(inp, ix, centroid, softmax_scale, num_chunks, cfg, sample))
+        key, lambda: _DoublePPlan(inp, ix, centroid, softmax_scale, num_chunks, cfg, sample,
+                                  targeted))
     return inp, ix, plan
 
 
@@ -260,6 +308,109 @@ class _Sample(NamedTuple):
     budget: int
     sampler: str
     tile_size: int
+
+
+#: The norms of the split budgets that the GPU runs (the kernels' enum SplitNorm, in order).
+SPLIT_NORMS_GPU = ("pilot", "bound", "auto")
+#: Why the other norms of :data:`stochattn.budget_rules.SPLIT_NORMS` have no GPU path.
+SPLIT_NORMS_MISSING = {
+    "student": "the studentised bound of Double-P's sampled variant (`budget_norm='student'`): "
+               "the reference has it, the GPU kernels not yet",
+    "oracle": "`budget_norm='oracle'` reads all of C_approx's values: a yardstick of the "
+              "reference, not an option",
+}
+_SPLIT_FIELDS = abi.constant("santa_prop", "kSplitFields")
+_SPLIT_WAY_SAMPLED = abi.enum("santa_prop", "SplitWay")["SPLIT_WAY_SAMPLED"]
+_SPLIT_STATUS_OK = abi.enum("santa_prop", "SplitStatus")["SPLIT_OK"]
+
+
+class _Targeted(NamedTuple):
+    """Error-targeted budgets of the sampled variant (part of the plan key; checked)."""
+
+    eps: float
+    delta: float
+    max_budget: int
+    rule: str
+    norm: str
+    pilot: int
+    pilot_share: float
+
+
+def targeted_of(eps, delta, max_budget, rule, norm, pilot, pilot_share) -> _Targeted:
+    """The checked options of :func:`doublep_decode`'s error-targeted budgets: the
+    reference's checks and messages (:func:`stochattn.budget_rules.check_options` with the
+    split norms), then the GPU's own limits: a norm of :data:`SPLIT_NORMS_GPU`, and
+    ``max_budget`` and ``pilot`` at most 2**30 (int32 draw counters)."""
+    from .. import budget_rules as _budgets
+
+    if delta is None or max_budget is None:
+        raise ValueError("`eps` needs `delta` and `max_budget`")
+    _budgets.check_options(eps, delta, max_budget, rule, norm, pilot, pilot_share,
+                           _budgets.SPLIT_NORMS)
+    if norm not in SPLIT_NORMS_GPU:
+        raise ValueError(f"`budget_norm` must be one of {', '.join(map(repr, SPLIT_NORMS_GPU))} "
+                         f"on the GPU ({SPLIT_NORMS_MISSING[norm]}), got {norm!r}")
+    inputs.check_gpu_budget(max_budget)
+    if pilot > 2**30:
+        raise ValueError(f"`pilot` must be at most 2**30 on the GPU, got {pilot}")
+    return _Targeted(float(eps), float(delta), int(max_budget), rule, norm, int(pilot),
+                     float(pilot_share))
+
+
+def split_constants(t: _Targeted) -> dict:
+    """The float64 constants the split-budget kernels take, computed as the reference
+    computes them (:func:`stochattn.reference.split_budgets.choose_split_budgets` and
+    ``auto_pilot_plan``): ``c_main = c(delta - delta_pilot)``, ``c_full = c(delta)``,
+    ``inv_dp = 1 / delta_pilot`` (norm "auto": the pilot's Markov factor is
+    ``inv_dp / S0``) and ``k_pilot = c(delta_pilot) / pilot`` (norm "pilot"), with
+    ``delta_pilot = pilot_share * delta``; ``norm`` is the kernels' code."""
+    from ..budget_rules import tail_factor
+
+    dp = float(t.pilot_share) * float(t.delta)
+    return dict(eps=t.eps, c_main=tail_factor(t.rule, float(t.delta) - dp),
+                c_full=tail_factor(t.rule, float(t.delta)), inv_dp=1.0 / dp,
+                k_pilot=tail_factor(t.rule, dp) / t.pilot if t.norm == "pilot" else 0.0,
+                norm=abi.enum("santa_prop", "SplitNorm")["SPLIT_NORM_" + t.norm.upper()])
+
+
+def split_scratch_sizes(rows, D, pilot, tokens) -> tuple:
+    """Bytes of the error-targeted scratch pieces, in the order the plan lays them out:
+    m2_A's chunk sums (f64 rows x chunks x 4), the split state (f64 rows x kSplitFields),
+    w_E o_E (f64 rows x D), the pilot's mean and (max, sum) (f32 rows x D, rows x 2), the
+    pilot's drawn rows (i32 rows x pilot; also the exact read's token list), S0 (i32 rows),
+    then budget and capped (i32 rows), error_bound, norm_sq_lower, second_moment and
+    variance (f64 rows)."""
+    return (8 * MOMENT_FIELDS * rows * moment_chunks(tokens), 8 * _SPLIT_FIELDS * rows,
+            8 * rows * D, 4 * rows * D, 8 * rows, 4 * rows * pilot, 4 * rows,
+            4 * rows, 4 * rows, 8 * rows, 8 * rows, 8 * rows, 8 * rows)
+
+
+class SplitBudgets(NamedTuple):
+    """The budgets of one error-targeted :func:`doublep_decode` call, as GPU arrays of q's
+    framework (B, Hq): ``budget`` (int32, S of the main draws, 0 without C_approx),
+    ``capped`` (int32 0/1), ``error_bound``, ``norm_sq_lower`` (L^2), ``second_moment``
+    (m2_A), ``variance`` (w_A^2 V_A, the bound S was chosen from; float64), and ``state``
+    (B, Hq, 8) float64: w_E, w_A, m2_A, ||w_E o_E||, n_A, the way (0 bound, 1 exact read,
+    2 pilot), the value rows read before the main draws, the status (0, 1 no C_approx,
+    2 non-finite)."""
+
+    budget: object
+    capped: object
+    error_bound: object
+    norm_sq_lower: object
+    second_moment: object
+    variance: object
+    state: object
+
+
+_SPLIT_FIELD_DTYPES = (("budget", "int32"), ("capped", "int32"), ("error_bound", "float64"),
+                       ("norm_sq_lower", "float64"), ("second_moment", "float64"),
+                       ("variance", "float64"))
+_SPLIT_PREP_VARIABLE = (("part_o", "part_ml", "tile_m", "seq_lens") + PAGE_VARIABLE
+                        + ("parts", "state", "exact_o", "pilot_budgets"))
+_SPLIT_BUDGETS_VARIABLE = (("state", "exact_o", "pilot_o", "logits", "tile_m", "v", "seq_lens")
+                           + PAGE_VARIABLE + ("list",) + tuple(n for n, _ in _SPLIT_FIELD_DTYPES))
+_SPLIT_SAMPLE_VARIABLE = SAMPLE_VARIABLE + ("budgets", "part_o", "part_ml") + PAGE_VARIABLE
 
 
 class _IndexArrays:
@@ -372,7 +523,8 @@ def _arrays_of(index, fields) -> tuple:
 class _DoublePPlan:
     """Everything one configuration of :func:`doublep_decode` needs, resolved once."""
 
-    def __init__(self, inp, ix, centroid, softmax_scale, num_chunks, cfg, sample):
+    def __init__(self, inp, ix, centroid, softmax_scale, num_chunks, cfg, sample,
+                 targeted=None):
         config = cfg.tiling  # the device's GpuConfig's tiling
         s, scale, self.device, dtype_name = inputs.base_plan(inp, softmax_scale)
         num_chunks = inputs.check_num_chunks(num_chunks)
@@ -482,6 +634,9 @@ class _DoublePPlan:
             self.grid_tiles = (rows, math.ceil(n_pad / _TILE_LOGITS_PER_CTA))
             self.n_pad = n_pad
             self.idx_shape = (s.batch, s.q_heads, S)
+        self.targeted = targeted
+        if targeted is not None:
+            sizes += split_scratch_sizes(rows, D, targeted.pilot, s.tokens)
         if self.paged:  # each listed row's byte offset in the pool (i64, like the list)
             sizes += (8 * list_len,)
         self.offsets, self.scratch_bytes = launch.layout(sizes)
@@ -532,18 +687,74 @@ class _DoublePPlan:
                                 sampler=sampler_code(sample.sampler),
                                 purpose=PURPOSE_CLUSTER_SAMPLER, num_parts=total, part=total - 1),
                             pdl=dep)
+        if targeted is not None:
+            self._targeted_launches(targeted, cfg, dep, ctype, dtype_name, total, tok_chunks,
+                                    n_pad, n_tiles)
         self.merge = None if merge is None else P(
             merge, self.merge_grid, (D,),
             k("exact_decode_merge").bind(("part_o", "part_ml", "out"), num_chunks=total, D=D,
                                          lse=0),
             pdl=dep)
 
+    def _targeted_launches(self, t, cfg, dep, ctype, dtype_name, total, tok_chunks, n_pad,
+                           n_tiles):
+        """The error-targeted budgets' launches (santa_prop.cu's Double-P section): m2_A's
+        sums over the stash, the rows' preparation, the pilot, the budgets and the main
+        draws with the row's S as the merge's last partial (a fixed-budget call's slot)."""
+        s, P = self.shape, launch.Packed
+        rows = s.batch * s.q_heads
+        prop = functools.partial(abi.kernel, "santa_prop")
+        sdecl, mdecl = prop("santa_prop_sample_budgets"), prop("santa_prop_second_moment")
+        pdecl, bdecl = prop("doublep_split_prep"), prop("doublep_split_budgets")
+        ts = self.sample_cfg.tile_size
+        with inputs.device_scope(self.device):
+            launch.prefetch("santa_prop", [sdecl.expr(T=ctype, D=s.head_dim), mdecl.expr(),
+                                           pdecl.expr(), bdecl.expr()], cfg)
+            sample = launch.launcher("santa_prop", sdecl.expr(T=ctype, D=s.head_dim), 0, cfg)
+            moment = launch.launcher("santa_prop", mdecl.expr(), 0, cfg)
+            prep = launch.launcher("santa_prop", pdecl.expr(), 0, cfg)
+            budgets = launch.launcher("santa_prop", bdecl.expr(), 0, cfg)
+        k = split_constants(t)
+        common = dict(Hq=s.q_heads, G=s.group, N=s.tokens, n_pad=n_pad, n_tiles=n_tiles,
+                      tile_size=ts)
+        n_chunks = moment_chunks(s.tokens)
+        self.split_moment = P(moment, (n_chunks * rows,), (_SAMPLE_THREADS,),
+                              mdecl.bind(_MOMENT_VARIABLE, n_chunks=n_chunks, **common), pdl=dep)
+        self.split_prep = P(prep, (rows,), (_SAMPLE_THREADS,),
+                            pdecl.bind(_SPLIT_PREP_VARIABLE, num_parts=total, n_exact=tok_chunks,
+                                       n_chunks=n_chunks, Hq=s.q_heads, N=s.tokens,
+                                       n_tiles=n_tiles, tile_size=ts, D=s.head_dim,
+                                       norm=k["norm"], eps=k["eps"], c_main=k["c_main"],
+                                       c_full=k["c_full"], inv_dp=k["inv_dp"], pilot=t.pilot),
+                            pdl=dep)
+        # The pilot: stratified, purpose PURPOSE_BUDGET_PILOT, stream 0 (the reference's
+        # pilot points); S = pilot under "pilot", S0 per row under "auto" (rows with S0 = 0
+        # draw nothing); none under "bound".
+        self.split_pilot = None if t.norm == "bound" else P(
+            sample, (rows,), (_SAMPLE_THREADS,),
+            sdecl.bind(_SPLIT_SAMPLE_VARIABLE, max_budget=t.pilot, idx_ld=t.pilot, rng_stream=0,
+                       sampler=sampler_code("stratified"), purpose=PURPOSE_BUDGET_PILOT,
+                       num_parts=1, part=0, skip_zero=1, **common), pdl=dep)
+        self.split_budgets = P(budgets, (rows,), (_SAMPLE_THREADS,),
+                               bdecl.bind(_SPLIT_BUDGETS_VARIABLE, D=s.head_dim,
+                                          dtype=0 if dtype_name == "float16" else 1,
+                                          max_budget=t.max_budget, pilot=t.pilot, **k,
+                                          **common), pdl=dep)
+        self.split_main = P(
+            sample, (rows,), (_SAMPLE_THREADS,),
+            sdecl.bind(_SPLIT_SAMPLE_VARIABLE, max_budget=t.max_budget, idx_ld=t.max_budget,
+                       rng_stream=0, sampler=sampler_code(self.sample_cfg.sampler),
+                       purpose=PURPOSE_CLUSTER_SAMPLER, num_parts=total, part=total - 1,
+                       skip_zero=0, **common), pdl=dep)
+
     def run(self, inp, ix, n_sink, p1, p2, count, diagnostics, rng, return_indices, out=None,
-            workspace=None):
+            workspace=None, v_sqnorms=None, return_budgets=False):
         ops = inp.ops
         s = self.shape
         sample = self.sample_cfg
+        t = self.targeted
         with inputs.device_scope(self.device):
+            norms = sqnorms_args(inp, v_sqnorms, s, self.device) if t is not None else None
             qp, kp, vp, _null, _keep, stream = inputs.launch_args(inp, None, False, s, self.device)
             pages = page_args(inp)
             ptrs_ix, held = ix.pointers()
@@ -592,19 +803,90 @@ class _DoublePPlan:
                 rs, _keep_rs = inputs.stream_args(inp, rng[0], rng[1], s.batch, self.device)
                 named.update(rs._asdict(), v=vp, C=cdf, iid_points=iid,
                              idx32=idx32, idx_out=idxp, out=outp, part_o=po, part_ml=pml)
-                self.sample(stream, *(named[n] for n in self.sample_variable))
+                if t is None:
+                    self.sample(stream, *(named[n] for n in self.sample_variable))
+                else:
+                    split = self._run_targeted(inp, stream, named, ptrs[15:15 + 13], norms,
+                                               return_indices, return_budgets)
             if self.merge is not None:
                 self.merge(stream, po, pml, outp)
             res = (out,) + ((indices,) if return_indices else ())
+            if t is not None:
+                res += ((split[0],) if return_indices else ()) + (
+                    (split[1],) if return_budgets else ())
             if diagnostics:
                 extra = None
                 if sample is not None:
                     c0 = self.offsets[1]
                     extra = self._drawn_rows_outside_exact(
                         ops, indices, scratch[c0:c0 + 8 * s.batch * s.kv_heads * self.C], held[3])
-                res += (self._diagnostics(inp, diag, codes, (lens, ws, labels), n_sink, stream,
-                                          extra),)
+                d = self._diagnostics(inp, diag, codes, (lens, ws, labels), n_sink, stream,
+                                      extra)
+                if t is not None:
+                    d.update(self._split_diagnostics(split[1], scratch))
+                res += (d,)
             return res if len(res) > 1 else out
+
+    def _run_targeted(self, inp, stream, named, ptrs, norms, return_indices, return_budgets):
+        """The error-targeted launches after santa_prop_tiles (``named``: the sampled
+        variant's pointers by argument name). Returns (pilot indices or None, SplitBudgets
+        of fresh arrays or None)."""
+        ops, s, t = inp.ops, self.shape, self.targeted
+        (parts, state, exact_o, pilot_o, pilot_ml, pilot_idx, pilot_budgets,
+         *fields) = ptrs
+        pilot_indices = budgets = None
+        if return_indices and self.split_pilot is not None:
+            pilot_indices = ops.empty(inp.q, (s.batch, s.q_heads, t.pilot), "int64")
+        if return_budgets:  # the kernels write these instead of the scratch's fields
+            arrays = [ops.empty(inp.q, (s.batch, s.q_heads), dt) for _, dt in _SPLIT_FIELD_DTYPES]
+            st = ops.empty(inp.q, (s.batch, s.q_heads, _SPLIT_FIELDS), "float64")
+            fields = [ops.ptr(a) for a in arrays]
+            state = ops.ptr(st)
+            budgets = SplitBudgets(*arrays, st)
+        named = dict(named, sqnorms=norms[0], sq_page_stride=norms[1], sq_row_stride=norms[2],
+                     sq_head_stride=norms[3], parts=parts, state=state, exact_o=exact_o,
+                     pilot_budgets=pilot_budgets, list=pilot_idx,
+                     **dict(zip((n for n, _ in _SPLIT_FIELD_DTYPES), fields)))
+        self.split_moment(stream, *(named[n] for n in _MOMENT_VARIABLE))
+        self.split_prep(stream, *(named[n] for n in _SPLIT_PREP_VARIABLE))
+        if self.split_pilot is not None:
+            pilot = dict(named, idx32=pilot_idx, idx_out=0 if pilot_indices is None
+                         else ops.ptr(pilot_indices), out=0, part_o=pilot_o, part_ml=pilot_ml,
+                         budgets=pilot_budgets if t.norm == "auto" else 0)
+            self.split_pilot(stream, *(pilot[n] for n in _SPLIT_SAMPLE_VARIABLE))
+        self.split_budgets(stream, *(dict(named, pilot_o=pilot_o)[n]
+                                     for n in _SPLIT_BUDGETS_VARIABLE))
+        self.split_main(stream, *(dict(named, budgets=named["budget"])[n]
+                                  for n in _SPLIT_SAMPLE_VARIABLE))
+        return pilot_indices, budgets
+
+    def _split_diagnostics(self, budgets, scratch) -> dict:
+        """The budget diagnostics (host copies; the call synchronises anyway): budget,
+        budget_capped, error_bound and budget_pilot (the value rows read before the main
+        draws: the state's pilot size on rows with C_approx, else 0), (B, Hq)."""
+        s = self.shape
+        shape = (s.batch, s.q_heads)
+        if budgets is not None:
+            S, cap, bound = (to_host(a) for a in budgets[:3])
+            state = to_host(budgets.state)
+        else:  # copies of the scratch's pieces: the state and the fields
+            i = len(self.offsets) - 13 - (1 if self.paged else 0)
+            at = self.offsets[i:i + 13]
+            rows = s.batch * s.q_heads
+
+            def piece(j, dt, n=1):
+                dt = np.dtype(dt)
+                raw = to_host(scratch[at[j]:at[j] + dt.itemsize * rows * n])
+                return raw.view(np.uint8).view(dt)
+
+            state = piece(1, "float64", _SPLIT_FIELDS)
+            S, cap, bound = piece(7, "int32"), piece(8, "int32"), piece(9, "float64")
+        state = np.asarray(state, dtype=np.float64).reshape(shape + (_SPLIT_FIELDS,))
+        ok = state[..., 7] == _SPLIT_STATUS_OK
+        return dict(budget=np.asarray(S).reshape(shape).astype(np.int64),
+                    budget_capped=np.asarray(cap).reshape(shape) != 0,
+                    error_bound=np.asarray(bound).reshape(shape).astype(np.float64),
+                    budget_pilot=np.where(ok, state[..., 6], 0).astype(np.int64))
 
     def _diagnostics(self, inp, diag, codes, lens_ws_labels, n_sink, stream, drawn_extra):
         """The true-mass launch and the host copies (synchronises)."""

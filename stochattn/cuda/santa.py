@@ -484,6 +484,8 @@ _BUDGETS_VARIABLE = (("tile_m", "seq_lens") + PAGE_VARIABLE
                         "norm_sq_lower", "second_moment"))
 # Tokens per CTA of santa_prop_second_moment (m2's sums split over the sequence).
 _MOMENT_CHUNK = abi.constant(_FAMILY, "kMomentChunk")
+# float64 fields per (row, chunk) of its sums: num, den, max ||v||^2, the positive-weight count.
+MOMENT_FIELDS = abi.constant(_FAMILY, "kMomentFields")
 _PILOT_VARIABLE = SAMPLE_VARIABLE + ("budgets", "part_o", "part_ml") + PAGE_VARIABLE
 _MAIN_VARIABLE = SAMPLE_VARIABLE + ("budgets",) + PAGE_VARIABLE
 _BUDGET_FIELDS = (("budget", "int32", 4), ("capped", "int32", 4), ("error_bound", "float64", 8),
@@ -562,7 +564,7 @@ def targeted_workspace_bytes(batch, q_heads, kv_heads, tokens, head_dim, max_bud
                              tile_size=64, sampler="systematic") -> int:
     """Scratch bytes of one :func:`santa_prop_targeted` call: :func:`workspace_bytes` at
     S = ``max_budget`` plus, per (b, h) row, the pilot sets' means (8 D), their drawn rows
-    (4 ``pilot``), their partials (16), the budgets (32) and m2's chunk sums (24 per 4096
+    (4 ``pilot``), their partials (16), the budgets (32) and m2's chunk sums (32 per 4096
     tokens); each piece rounded up to 256 bytes."""
     rows, groups = batch * q_heads, batch * kv_heads
     n_tiles = math.ceil(tokens / tile_size)
@@ -577,12 +579,36 @@ def _targeted_sizes(rows, D, pilot, tokens) -> tuple:
     rows x S_A then set B's rows x S_B), m2's partial sums (f64 rows x chunks x 3), then the
     budget fields (_BUDGET_FIELDS, rows each)."""
     return ((4 * rows * D, 4 * rows * D, 8 * rows, 8 * rows, 4 * rows * pilot,
-             24 * rows * _moment_chunks(tokens))
+             8 * MOMENT_FIELDS * rows * moment_chunks(tokens))
             + tuple(n * rows for _, _, n in _BUDGET_FIELDS))
 
 
-def _moment_chunks(tokens) -> int:
+def moment_chunks(tokens) -> int:
+    """CTAs per row of santa_prop_second_moment (chunks of kMomentChunk tokens)."""
     return max(1, math.ceil(tokens / _MOMENT_CHUNK))
+
+
+def sqnorms_args(inp, v_sqnorms, shape, device) -> tuple:
+    """(pointer, page stride, row stride, head stride) of checked ||v_j||^2 beside the cache
+    (:func:`stochattn.value_norms.value_sqnorms`), as santa_prop_second_moment takes them:
+    float32 (B, Hkv, N) for a contiguous cache (strides unused: 0), the V pool's shape
+    without D for a paged one (its strides in elements). The one check of the norms for
+    every error-targeted GPU path (S²ANTA-prop, Double-P's sampled variant)."""
+    if v_sqnorms is None:
+        raise ValueError("`v_sqnorms` is required with error-targeted budgets: ||v_j||^2 "
+                         "per token as float32 beside the cache (stochattn.value_norms."
+                         "value_sqnorms(v))")
+    ops = inp.ops
+    if not isinstance(inp, inputs.Inputs):  # a paged cache
+        pool = tuple(int(n) for n in ops.meta(inp.v)[1])
+        want = pool[:-1]
+        P, a1, a2 = want
+        # Contiguous (P, page_size, Hkv) ("NHD") or (P, Hkv, page_size) ("HND").
+        strides = (a1 * a2, a2, 1) if inp.cache.layout == "NHD" else (a1 * a2, 1, a2)
+    else:
+        want, strides = (shape.batch, shape.kv_heads, shape.tokens), (0, 0, 0)
+    ptr = _workspace._check_array("v_sqnorms", ops, v_sqnorms, want, "float32", device, align=4)
+    return (np.uint64(ptr),) + strides
 
 
 class _TargetedPlan:
@@ -652,10 +678,11 @@ class _TargetedPlan:
         self.pilot_launches = tuple(
             p(sample, base.grid2, (_SAMPLE_THREADS,),
               decl.bind(_PILOT_VARIABLE, max_budget=n, idx_ld=self.pilot, rng_stream=stream,
+                        num_parts=1, part=0, skip_zero=0,
                         sampler=sampler_code("stratified"), purpose=PURPOSE_BUDGET_PILOT,
                         **common), pdl=pdl)
             for n, stream in self.sets)
-        n_chunks = _moment_chunks(s.tokens)
+        n_chunks = moment_chunks(s.tokens)
         self.moment_launch = p(moment, (n_chunks * rows,), (_SAMPLE_THREADS,),
                                mdecl.bind(_MOMENT_VARIABLE, n_chunks=n_chunks, **common),
                                pdl=pdl)
@@ -674,28 +701,13 @@ class _TargetedPlan:
                                        idx_ld=self.max_budget, rng_stream=0,
                                        sampler=sampler_code(sampler),
                                        purpose=PURPOSE_VALUE_SAMPLER, part_o=0, part_ml=0,
+                                       num_parts=0, part=0, skip_zero=0,
                                        **common),
                              pdl=pdl)
-        self.norms_shape = None if self.paged else (s.batch, s.kv_heads, s.tokens)
 
     def _norms(self, inp, v_sqnorms):
         """(pointer, page stride, row stride, head stride) of the checked norms."""
-        if v_sqnorms is None:
-            raise ValueError("`v_sqnorms` is required with error-targeted budgets: ||v_j||^2 "
-                             "per token as float32 beside the cache (stochattn.value_norms."
-                             "value_sqnorms(v))")
-        ops = inp.ops
-        if self.paged:
-            pool = tuple(int(n) for n in ops.meta(inp.v)[1])
-            shape = pool[:-1]
-            P, a1, a2 = shape
-            # Contiguous (P, page_size, Hkv) ("NHD") or (P, Hkv, page_size) ("HND").
-            strides = (a1 * a2, a2, 1) if self.layout == "NHD" else (a1 * a2, 1, a2)
-        else:
-            shape, strides = self.norms_shape, (0, 0, 0)
-        ptr = _workspace._check_array("v_sqnorms", ops, v_sqnorms, shape, "float32", self.device,
-                                      align=4)
-        return (np.uint64(ptr),) + strides
+        return sqnorms_args(inp, v_sqnorms, self.shape, self.device)
 
     def run(self, inp, seq_lens, check_seq_lens, seed, offset, v_sqnorms, out=None,
             workspace=None):

@@ -141,6 +141,8 @@ def name_expressions(family: str, dtypes=None) -> list:
         # error-targeted budgets (compiled on demand too: decode_common.cuh)
         names += [k("santa_prop_second_moment").expr(), k("santa_prop_budgets").expr(),
                   k("value_sqnorms_rows").expr()]
+        # Double-P's sampled variant with error-targeted budgets (stochattn.cuda.doublep; on demand)
+        names += [k("doublep_split_prep").expr(), k("doublep_split_budgets").expr()]
     if family == "doublep_decode":
         names += [k("doublep_select").expr(), k("doublep_select_sorted").expr()]
         names += [k("doublep_rows").expr(GMAX=gm, SAMPLE=flag) for gm in GROUP_MAXES

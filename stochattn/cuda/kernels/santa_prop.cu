@@ -47,6 +47,7 @@
 #include "philox.cuh"
 #include "bernoulli.cuh"
 #include "tc_common.cuh"
+#include "split_rules.cuh"
 
 using namespace stochattn;
 
@@ -712,15 +713,18 @@ santa_prop_sample(const T* __restrict__ v, const int* __restrict__ seq_lens,
 }
 
 // ---- error-targeted budgets (docs/budgets.md, stochattn/reference/budgets.py) ----------
-#define STOCHATTN_INF_F64 (__longlong_as_double(0x7ff0000000000000ll))
 //
 // santa_prop_sample_budgets: santa_prop_sample with a per-row S read from `budgets`
 // (B * Hq int32, written on the device by santa_prop_budgets just before: no host sync,
 // graph-safe); idx32 and iid_points have the plan's `max_budget` columns (max_budget + 1
 // for iid_points), idx_out `idx_ld`, and a row's columns of idx_out in [S, idx_ld) are -1.
 // With `budgets` null every row has S = max_budget: a fixed-S launch on Philox stream
-// `rng_stream` (the budgets' pilot sets). With `part_o` the fp32 mean and (m*, Z) go to a
-// partial (num_parts 1), as santa_prop_sample's, instead of `out`.
+// `rng_stream` (the budgets' pilot sets). With `part_o` the fp32 mean and (m*, Z) go to
+// partial `part` of `num_parts`, as santa_prop_sample's, instead of `out` (the pilots: 1
+// and 0; Double-P's targeted main draws: the last of its merge's partials). With
+// `skip_zero` a row whose budget is 0 draws nothing and writes nothing but its -1 indices
+// (Double-P's pilot under norm "auto", rows that take no pilot); without it such a row of a
+// non-empty sequence draws one point (a guard: santa_prop_budgets gives S >= 1).
 template <typename T, int D>
 __global__ void __launch_bounds__(kSampleThreads)
 santa_prop_sample_budgets(const T* __restrict__ v, const int* __restrict__ seq_lens,
@@ -737,7 +741,8 @@ santa_prop_sample_budgets(const T* __restrict__ v, const int* __restrict__ seq_l
                           unsigned long long seed, unsigned offset,
                           const void* __restrict__ seed_ptr, const void* __restrict__ offset_ptr,
                           unsigned streams, unsigned purpose, float* __restrict__ part_o,
-                          float* __restrict__ part_ml) {
+                          float* __restrict__ part_ml, int num_parts, int part,
+                          int skip_zero) {
   STOCHATTN_PDL_ENTRY();
   const long long row = blockIdx.x;
   const PageTable table = page_table(kv_indptr, kv_indices, kv_last_page_len, page_size,
@@ -748,16 +753,17 @@ santa_prop_sample_budgets(const T* __restrict__ v, const int* __restrict__ seq_l
     S = S < 0 ? 0 : (S > max_budget ? max_budget : S);
     // santa_prop_budgets gives S >= 1 to every non-empty row; kept safe whatever the
     // buffer holds (S = 0 would divide by zero below).
-    if (S == 0 && stream_length(seq_lens, table, (int)(row / Hq), N) > 0) S = 1;
+    if (S == 0 && !skip_zero && stream_length(seq_lens, table, (int)(row / Hq), N) > 0) S = 1;
     if (idx_out)
       for (long long m = S + threadIdx.x; m < idx_ld; m += kSampleThreads)
         idx_out[row * idx_ld + m] = -1;
+    if (S == 0 && skip_zero) return;  // uniform over the block
   }
   prop_sample_row<T, D>(row, v, seq_lens, table, logits, tile_m, tile_l, C, iid_points, idx32,
                         idx_out, out, Hq, G, N, n_pad, n_tiles, tile_size, S,
                         (long long)max_budget, idx_ld, rng_stream, sampler, seed, offset,
                         seed_ptr, offset_ptr, streams, purpose, part_o, part_ml,
-                        part_o ? 1 : 0, 0);
+                        part_o ? num_parts : 0, part);
 }
 
 // Rows of the streams the budget kernels read that kv_rows<D> does not name as they are:
@@ -897,12 +903,16 @@ __device__ __forceinline__ float row_max(const float* __restrict__ tm, int T_b, 
 constexpr int kMomentAhead = 8;
 constexpr int kMomentStep = kSampleThreads * kMomentAhead;
 constexpr int kMomentChunk = 2 * kMomentStep;
+// Fields per (row, chunk) of santa_prop_second_moment's `parts` (float64): num, den, vmax2
+// and the count of tokens of positive weight (n_A of Double-P's norm "auto").
+constexpr int kMomentFields = 4;
 
 // Pass 1's moments of a row, split over the sequence: CTA row * n_chunks + c sums over tokens
 // [c kMomentChunk, (c + 1) kMomentChunk) of the row's stream
 //   den = sum_j exp(x_j - m*),  num = sum_j exp(x_j - m*) ||v_j||^2  (float64 sums of the
-//   float32 weights), vmax2 = max ||v_j||^2 over the tokens of positive weight,
-// and writes them to parts[(row * n_chunks + c) * 3 + {0, 1, 2}]; santa_prop_budgets folds
+//   float32 weights), vmax2 = max ||v_j||^2 over the tokens of positive weight, and the
+// number of those tokens (exact in float64), and writes them to
+// parts[(row * n_chunks + c) * kMomentFields + {0, 1, 2, 3}]; santa_prop_budgets folds
 // a row's chunks (strided per thread, then a fixed tree: deterministic). One CTA per row walking the whole
 // sequence was a chain of memory latencies (a row of 32k tokens took ~60 us at batch 1);
 // this grid keeps the reads in flight across the sequence. Chunks past the row's length,
@@ -940,7 +950,7 @@ santa_prop_second_moment(const float* __restrict__ logits, const float* __restri
                  sq_row_stride, sq_head_stride),
       b, kvh, Hkv, N, 1);
   const long long j_end = min(len, j_begin + kMomentChunk);
-  double num = 0.0, den = 0.0, vmax2 = 0.0;
+  double num = 0.0, den = 0.0, vmax2 = 0.0, cnt = 0.0;
   // Thread tid takes tokens j0 + 4 (tid + u kSampleThreads) .. + 3 of each step: 16-byte
   // loads of the stash (its rows are padded to whole tiles, n_pad a multiple of 4), the
   // norms one by one (a contiguous stream's rows need not be 16-byte aligned).
@@ -965,20 +975,43 @@ santa_prop_second_moment(const float* __restrict__ logits, const float* __restri
         den += w;
         num += w * sqv;
         // "positive weight" as the reference decides it, in float64: expf underflows
-        // below x - m* ~ -103, exp in float64 only below ~ -745 (checked only then)
-        if (w > 0.0 || exp((double)x[u] - (double)mstar) > 0.0) vmax2 = fmax(vmax2, sqv);
+        // below x - m* ~ -103, exp in float64 only below ~ -745 (checked only then);
+        // the count is n_A of Double-P's norm "auto" (the reference's wa > 0)
+        if (w > 0.0 || exp((double)x[u] - (double)mstar) > 0.0) {
+          vmax2 = fmax(vmax2, sqv);
+          cnt += 1.0;
+        }
       }
     }
   }
   num = block_reduce(num, SumD(), sm_d);
   den = block_reduce(den, SumD(), sm_d);
   vmax2 = block_reduce(vmax2, MaxD(), sm_d);
+  cnt = block_reduce(cnt, SumD(), sm_d);
   if (threadIdx.x == 0) {
-    double* p = parts + (long long)blockIdx.x * 3;  // (row * n_chunks + chunk) * 3
+    double* p = parts + (long long)blockIdx.x * kMomentFields;  // row * n_chunks + chunk
     p[0] = num;
     p[1] = den;
     p[2] = vmax2;
+    p[3] = cnt;
   }
+}
+
+// One row's outcome without a budget from the rule, written by thread 0: an empty row
+// (S 0, not capped, every field 0) or a row that read a NaN or an infinity (S 1, capped,
+// every field NaN; the sampling writes its NaN output row).
+__device__ __forceinline__ void write_budget_row_outcome(long long row, bool nonfinite,
+                                                         int* budgets, int* capped,
+                                                         double* error_bound,
+                                                         double* norm_sq_lower,
+                                                         double* second_moment) {
+  if (threadIdx.x != 0) return;
+  const double fill = nonfinite ? (double)STOCHATTN_NAN : 0.0;
+  budgets[row] = nonfinite ? 1 : 0;
+  capped[row] = nonfinite ? 1 : 0;
+  error_bound[row] = fill;
+  norm_sq_lower[row] = fill;
+  second_moment[row] = fill;
 }
 
 // One CTA per (b, query head) row: the budget S of choose_budgets (norm "pilot", or
@@ -1027,35 +1060,25 @@ santa_prop_budgets(const float* __restrict__ tile_m,
                                      page_stride, row_stride, head_stride);
   const long long len = stream_length(seq_lens, table, b, N);
   if (len == 0) {
-    if (tid == 0) {
-      budgets[row] = 0;
-      capped[row] = 0;
-      error_bound[row] = 0.0;
-      norm_sq_lower[row] = 0.0;
-      second_moment[row] = 0.0;
-    }
+    write_budget_row_outcome(row, false, budgets, capped, error_bound, norm_sq_lower,
+                             second_moment);
     return;
   }
   const int T_b = (int)((len + tile_size - 1) / tile_size);
   const float mstar_f = row_max(tile_m + row * n_tiles, T_b, sm_f);
   if (mstar_f != mstar_f || mstar_f == STOCHATTN_NEG_INF) {  // uniform over the block
-    if (tid == 0) {
-      budgets[row] = 1;
-      capped[row] = 1;
-      error_bound[row] = (double)STOCHATTN_NAN;
-      norm_sq_lower[row] = (double)STOCHATTN_NAN;
-      second_moment[row] = (double)STOCHATTN_NAN;
-    }
+    write_budget_row_outcome(row, true, budgets, capped, error_bound, norm_sq_lower,
+                             second_moment);
     return;
   }
   // The row's chunks of santa_prop_second_moment, those that hold tokens.
   const int chunks = (int)((len + kMomentChunk - 1) / kMomentChunk);
-  const double* prow = parts + row * n_chunks * 3;
+  const double* prow = parts + row * n_chunks * kMomentFields;
   double num = 0.0, den = 0.0, vmax2 = 0.0;
   for (int c = tid; c < chunks; c += kSampleThreads) {
-    num += prow[3 * c];
-    den += prow[3 * c + 1];
-    vmax2 = fmax(vmax2, prow[3 * c + 2]);
+    num += prow[kMomentFields * c];
+    den += prow[kMomentFields * c + 1];
+    vmax2 = fmax(vmax2, prow[kMomentFields * c + 2]);
   }
   const float* orow_p = pilot_o + row * D;
   double y2 = 0.0;
@@ -1069,13 +1092,8 @@ santa_prop_budgets(const float* __restrict__ tile_m,
   // A NaN logit that the tile maxima did not carry (the tensor-core pass 1 takes them
   // with fmaxf) shows here: den >= 1 for every finite row (its max token adds exp(0)).
   if (!(den >= 1.0) || num != num) {  // uniform over the block
-    if (tid == 0) {
-      budgets[row] = 1;
-      capped[row] = 1;
-      error_bound[row] = (double)STOCHATTN_NAN;
-      norm_sq_lower[row] = (double)STOCHATTN_NAN;
-      second_moment[row] = (double)STOCHATTN_NAN;
-    }
+    write_budget_row_outcome(row, true, budgets, capped, error_bound, norm_sq_lower,
+                             second_moment);
     return;
   }
   // The formula in the reference's operations and order, each rounded once: the _rn
@@ -1102,34 +1120,317 @@ santa_prop_budgets(const float* __restrict__ tile_m,
     }
   }
   if (tid != 0) return;
-  if (!student) {
-    // pilot_norm_lower (reference/budgets.py).
-    const double y = __dsqrt_rn(y2);
-    const double yy = __dmul_rn(y, y);
-    const double k = k_pilot;
-    const double kp1 = __dadd_rn(1.0, k);
-    const double km2 = __dmul_rn(k, m2);
-    const double disc = fmax(__dmul_rn(k, __dsub_rn(__dmul_rn(kp1, m2), yy)), 0.0);
-    double root = __ddiv_rn(__dsub_rn(yy, km2), __dadd_rn(y, __dsqrt_rn(disc)));
-    if (yy > __dmul_rn(kp1, m2)) root = __dsqrt_rn(__ddiv_rn(m2, kp1));
-    L = yy > km2 ? root : 0.0;
-  }
+  if (!student) L = pilot_norm_lower(__dsqrt_rn(y2), m2, k_pilot);
   const double L2 = __dmul_rn(L, L);
-  const double var = fmax(__dsub_rn(m2, L2), 0.0);
-  const double cvar = __dmul_rn(c_main, var);
-  double need = L2 > 0.0 ? __ddiv_rn(cvar, __dmul_rn(__dmul_rn(eps, eps), L2))
-                         : STOCHATTN_INF_F64;
-  if (!(var > 0.0)) need = 1.0;  // every draw equals o: one is enough
-  const bool cap = need > (double)max_budget;  // float compare: inf never meets an int
-  const int S = cap ? max_budget : (int)fmax(ceil(fmin(need, (double)max_budget)), 1.0);
-  double bound = var > 0.0 ? __dsqrt_rn(__ddiv_rn(cvar, __dmul_rn((double)(S > 1 ? S : 1), L2)))
-                           : 0.0;
-  if (!(L2 > 0.0 || var == 0.0)) bound = STOCHATTN_INF_F64;
-  budgets[row] = S;
-  capped[row] = cap ? 1 : 0;
-  error_bound[row] = bound;
+  const RowBudget r = budget_from_variance(fmax(__dsub_rn(m2, L2), 0.0), L2, c_main, eps,
+                                           max_budget);
+  budgets[row] = r.S;
+  capped[row] = r.capped ? 1 : 0;
+  error_bound[row] = r.bound;
   norm_sq_lower[row] = L2;
   second_moment[row] = m2;
+}
+
+// ---- Double-P's sampled variant with error-targeted budgets (docs/budgets.md, -------------
+// stochattn/reference/split_budgets.py) ------------------------------------------------------
+// The row's output is o = w_E o_E + w_A o_A: the exact part (sinks, window, C_exact; the
+// doublep_attend CTAs' partials) and C_approx's part, estimated from draws (the logit stash
+// of doublep_rows: C_approx's logits, -inf elsewhere). Launches, after doublep_attend and
+// santa_prop_tiles over the stash, all on the caller's stream:
+//   santa_prop_second_moment over the stash (its -inf logits weigh 0): m2_A's sums and n_A;
+//   doublep_split_prep: w_A, m2_A, G = ||w_E o_E|| and, under norm "auto", the way and the
+//     pilot size S0 of every row (auto_pilot_plan);
+//   santa_prop_sample_budgets: the pilot (stratified, purpose PURPOSE_BUDGET_PILOT, stream
+//     0; fixed S = pilot under norm "pilot", S0 per row under "auto", skip_zero);
+//   doublep_split_budgets: L and the variance bound by the row's way, then S;
+//   santa_prop_sample_budgets: the main draws with the row's S, written as the last partial
+//     of the decode's merge (exact_decode_merge, as a fixed-budget call: a row with S gives
+//     the output of a fixed-budget call with S, bit for bit).
+
+// A row's status: C_approx has mass; it is empty (nothing to draw: S = 0); or the row read
+// a NaN or an infinity (S = 1, capped, NaN bound, as santa_prop_budgets).
+enum SplitStatus { SPLIT_OK = 0, SPLIT_EMPTY = 1, SPLIT_NONFINITE = 2 };
+// Fields of a row's split state (float64): w_E, w_A, m2_A, G = ||w_E o_E||, n_A, the way,
+// the pilot's size (value rows read before the main draws: 0, n_A or S0), the status.
+constexpr int kSplitFields = 8;
+
+struct SumI {
+  __device__ int operator()(int a, int b) const { return a + b; }
+};
+
+// One CTA per (b, query head) row, after santa_prop_second_moment over the stash.
+//   the exact part: the first n_exact of the row's num_parts partials (doublep_attend's,
+//     log2 domain) folded in float64: M_E = max m_c, Z_E = sum l_c 2^(m_c - M_E),
+//     o_E = sum l_c 2^(m_c - M_E) o_c / Z_E;
+//   C_approx: m* = max_t m_t of the stash's tiles (row_max, as the moment kernel), and from
+//     the moment kernel's chunks (folded in chunk order, as santa_prop_budgets)
+//     Z_A = sum exp(x_j - m*), m2_A = sum exp(x_j - m*) ||v_j||^2 / Z_A and n_A;
+//   w_E = Z_E / (Z_E + Z_A) (common max), w_A = 1 - w_E (the reference's order);
+//   exact_o[row] = w_E o_E (float64, D), G = ||w_E o_E||;
+//   norm "auto": auto_pilot_choice, and pilot_budgets[row] = S0 for the sampled way, else 0.
+// Writes state[row] (kSplitFields float64, above) and pilot_budgets[row].
+template <int kOnDemand = 0>  // compiled on demand (decode_common.cuh)
+__global__ void __launch_bounds__(kSampleThreads)
+doublep_split_prep(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                   int num_parts, int n_exact, const float* __restrict__ tile_m,
+                   const int* __restrict__ seq_lens, const int* __restrict__ kv_indptr,
+                   const int* __restrict__ kv_indices, const int* __restrict__ kv_last_page_len,
+                   int page_size, long long page_stride, int row_stride, int head_stride,
+                   const double* __restrict__ parts, int n_chunks, double* __restrict__ state,
+                   double* __restrict__ exact_o, int* __restrict__ pilot_budgets, int Hq,
+                   long long N, long long n_tiles, int tile_size, int D, int norm, double eps,
+                   double c_main, double c_full, double inv_dp, int pilot) {
+  STOCHATTN_PDL_ENTRY();
+  __shared__ float sm_f[kSampleWarps];
+  __shared__ double sm_d[kSampleWarps];
+  const long long row = blockIdx.x;  // b * Hq + h
+  const int tid = threadIdx.x;
+  const int b = (int)(row / Hq);
+  const PageTable table = page_table(kv_indptr, kv_indices, kv_last_page_len, page_size,
+                                     page_stride, row_stride, head_stride);
+  const long long len = stream_length(seq_lens, table, b, N);
+  double* st = state + row * kSplitFields;
+  double* e = exact_o + row * D;
+  // The exact part's (max, sum); every thread folds the few partials itself.
+  const float* ml = part_ml + row * num_parts * 2;
+  double M = (double)STOCHATTN_NEG_INF;
+  bool bad = false;
+  for (int c = 0; c < n_exact; ++c) {
+    const double m = (double)ml[2 * c];
+    if (m != m) bad = true; else M = fmax(M, m);
+  }
+  double LE = 0.0;
+  if (M != (double)STOCHATTN_NEG_INF)
+    for (int c = 0; c < n_exact; ++c) LE += (double)ml[2 * c + 1] * exp2((double)ml[2 * c] - M);
+  if (LE != LE) bad = true;
+  int status = SPLIT_OK;
+  float mstar_f = STOCHATTN_NEG_INF;
+  if (len > 0) mstar_f = row_max(tile_m + row * n_tiles,
+                                 (int)((len + tile_size - 1) / tile_size), sm_f);
+  if (mstar_f == STOCHATTN_NEG_INF) status = SPLIT_EMPTY;  // no C_approx token
+  else if (mstar_f != mstar_f || bad) status = SPLIT_NONFINITE;
+  if (status != SPLIT_OK) {  // uniform over the block
+    for (int d = tid; d < D; d += kSampleThreads) e[d] = 0.0;
+    if (tid == 0) {
+      for (int f = 0; f < kSplitFields; ++f) st[f] = 0.0;
+      st[7] = (double)status;
+      pilot_budgets[row] = 0;
+    }
+    return;
+  }
+  const int chunks = (int)((len + kMomentChunk - 1) / kMomentChunk);
+  const double* prow = parts + row * n_chunks * kMomentFields;
+  double num = 0.0, den = 0.0, cnt = 0.0;
+  for (int c = tid; c < chunks; c += kSampleThreads) {
+    num += prow[kMomentFields * c];
+    den += prow[kMomentFields * c + 1];
+    cnt += prow[kMomentFields * c + 3];
+  }
+  num = block_reduce(num, SumD(), sm_d);
+  den = block_reduce(den, SumD(), sm_d);
+  cnt = block_reduce(cnt, SumD(), sm_d);
+  const double m2 = den > 0.0 ? __ddiv_rn(num, den) : 0.0;
+  // Both masses on the log2 scale of the partials: Z_E = LE 2^M, Z_A = den 2^(m* log2 e).
+  const double mA = (double)mstar_f * 1.4426950408889634;
+  const double Mx = fmax(M, mA);
+  const double zE = M == (double)STOCHATTN_NEG_INF ? 0.0 : LE * exp2(M - Mx);
+  const double zA = den * exp2(mA - Mx);
+  const double we = __ddiv_rn(zE, __dadd_rn(zE, zA));
+  const double wA = __dsub_rn(1.0, we);
+  double g2 = 0.0;
+  for (int d = tid; d < D; d += kSampleThreads) {
+    double o = 0.0;
+    if (LE > 0.0) {
+      for (int c = 0; c < n_exact; ++c) {
+        const double w = (double)ml[2 * c + 1] * exp2((double)ml[2 * c] - M);
+        o += w * (double)part_o[(row * num_parts + c) * D + d];
+      }
+      o /= LE;
+    }
+    const double ed = __dmul_rn(we, o);
+    e[d] = ed;
+    g2 += ed * ed;
+  }
+  g2 = block_reduce(g2, SumD(), sm_d);
+  if (tid != 0) return;
+  const double G = __dsqrt_rn(g2);
+  AutoChoice ch;
+  ch.way = norm == SPLIT_NORM_PILOT ? SPLIT_WAY_SAMPLED : SPLIT_WAY_BOUND;
+  ch.size = norm == SPLIT_NORM_PILOT ? pilot : 0;
+  if (norm == SPLIT_NORM_AUTO)
+    ch = auto_pilot_choice(wA, m2, G, (long long)cnt, eps, c_main, c_full, inv_dp, pilot);
+  st[0] = we;
+  st[1] = wA;
+  st[2] = m2;
+  st[3] = G;
+  st[4] = cnt;
+  st[5] = (double)ch.way;
+  st[6] = (double)ch.size;
+  st[7] = (double)SPLIT_OK;
+  pilot_budgets[row] = norm == SPLIT_NORM_AUTO && ch.way == SPLIT_WAY_SAMPLED ? (int)ch.size : 0;
+}
+
+// Tokens of the stash one thread tests per step of doublep_split_budgets' exact read (16-byte
+// loads, all issued before any is used; divides every tile size).
+constexpr int kReadAhead = 16;
+
+// One CTA per row, after the pilot: choose_split_budgets' L and variance bound V_A by the
+// row's way, then S (budget_from_variance, the rule's one home):
+//   bound:   L = max(0, G - w_A sqrt(m2_A)), V_A = m2_A, c = c(delta);
+//   sampled: y = ||o_p|| (the pilot's fp32 mean, `pilot_o`), k = k_pilot (norm "pilot") or
+//            (1 / delta_pilot) / S0 (norm "auto": Markov's factor), L_A =
+//            pilot_norm_lower(y, m2_A, k), V_A = m2_A - L_A^2, L = ||w_E o_E + w_A o_p|| -
+//            w_A sqrt(k max(V_A, 0)), under "auto" at least the bound's L; c = c(delta_main);
+//   exact (norm "auto", n_A <= pilot): C_approx's tokens of positive weight listed in
+//            position order into `list` (the row's `pilot` columns of the pilot's index
+//            scratch, unused by this row), then o_A = sum_j w_j v_j / sum_j w_j (a warp per
+//            token, float64, warps folded in order), V_A = m2_A - ||o_A||^2,
+//            L^2 = ||w_E o_E + w_A o_A||^2; c = c(delta).
+// Then var = w_A^2 max(V_A, 0) and S from (var, L^2). Writes budget, capped, error_bound,
+// norm_sq_lower (L^2), second_moment (m2_A) and variance (var). Empty C_approx: S = 0,
+// bound 0; a non-finite row: S = 1, capped, NaN bound.
+template <int kOnDemand = 0>  // compiled on demand (decode_common.cuh)
+__global__ void __launch_bounds__(kSampleThreads)
+doublep_split_budgets(const double* __restrict__ state, const double* __restrict__ exact_o,
+                      const float* __restrict__ pilot_o, const float* __restrict__ logits,
+                      const float* __restrict__ tile_m, const void* __restrict__ v,
+                      const int* __restrict__ seq_lens, const int* __restrict__ kv_indptr,
+                      const int* __restrict__ kv_indices,
+                      const int* __restrict__ kv_last_page_len, int page_size,
+                      long long page_stride, int row_stride, int head_stride,
+                      int* __restrict__ list, int* __restrict__ budget,
+                      int* __restrict__ capped, double* __restrict__ error_bound,
+                      double* __restrict__ norm_sq_lower, double* __restrict__ second_moment,
+                      double* __restrict__ variance, int Hq, int G, long long N,
+                      long long n_pad, long long n_tiles, int tile_size, int D, int dtype,
+                      int norm, double eps, double c_main, double c_full, double k_pilot,
+                      double inv_dp, int max_budget, int pilot) {
+  STOCHATTN_PDL_ENTRY();
+  __shared__ float sm_f[kSampleWarps];
+  __shared__ double sm_d[kSampleWarps];
+  __shared__ int sm_i[kSampleWarps + 1];
+  __shared__ double red[kSampleWarps * 128];  // the exact read's per-warp sums (D <= 128)
+  const long long row = blockIdx.x;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const double* st = state + row * kSplitFields;
+  const int status = (int)st[7];
+  if (status != SPLIT_OK) {  // uniform over the block
+    if (tid == 0) {
+      const bool nf = status == SPLIT_NONFINITE;
+      const double nan = (double)STOCHATTN_NAN;
+      budget[row] = nf ? 1 : 0;
+      capped[row] = nf ? 1 : 0;
+      error_bound[row] = nf ? nan : 0.0;
+      norm_sq_lower[row] = nf ? nan : 0.0;
+      second_moment[row] = nf ? nan : 0.0;
+      variance[row] = nf ? nan : 0.0;
+    }
+    return;
+  }
+  const double wA = st[1], m2 = st[2], Gn = st[3];
+  const int way = (int)st[5];
+  const long long size = (long long)st[6];
+  const double* e = exact_o + row * D;
+  // The squared norms split_bound takes (float64, over d; block_reduce's fixed order).
+  double y2 = 0.0, q2 = 0.0, a2 = 0.0, l2 = 0.0;
+  if (way == SPLIT_WAY_SAMPLED) {  // uniform over the block
+    const float* op = pilot_o + row * D;
+    for (int d = tid; d < D; d += kSampleThreads) {
+      const double o = (double)op[d];
+      const double s = __dadd_rn(e[d], __dmul_rn(wA, o));
+      y2 += o * o;
+      q2 += s * s;
+    }
+    y2 = block_reduce(y2, SumD(), sm_d);
+    q2 = block_reduce(q2, SumD(), sm_d);
+  } else if (way == SPLIT_WAY_EXACT) {
+    const int b = (int)(row / Hq), h = (int)(row % Hq);
+    const int Hkv = Hq / G, kvh = h / G;
+    const PageTable table = page_table(kv_indptr, kv_indices, kv_last_page_len, page_size,
+                                       page_stride, row_stride, head_stride);
+    const long long len = stream_length(seq_lens, table, b, N);
+    const float mstar = row_max(tile_m + row * n_tiles,
+                                (int)((len + tile_size - 1) / tile_size), sm_f);
+    const float* xrow = logits + row * n_pad;
+    int* lst = list + row * pilot;
+    // 1. The positive-weight tokens (the moment kernel's test: expf(x - m*) > 0, or exp in
+    //    float64 where expf underflows, so there are n_A <= pilot of them; those that
+    //    underflow weigh 0 in the float32 sums below) in position order: kReadAhead tokens
+    //    per thread per step.
+    int base = 0;
+    for (long long j0 = 0; j0 < len; j0 += (long long)kSampleThreads * kReadAhead) {
+      const long long j = j0 + (long long)tid * kReadAhead;
+      float xs[kReadAhead];
+#pragma unroll
+      for (int u = 0; u < kReadAhead; u += 4) {
+        const float4 f = j < len ? __ldg(reinterpret_cast<const float4*>(xrow + j + u))
+                                 : make_float4(0.f, 0.f, 0.f, 0.f);
+        xs[u] = f.x; xs[u + 1] = f.y; xs[u + 2] = f.z; xs[u + 3] = f.w;
+      }
+      unsigned mask = 0u;
+#pragma unroll
+      for (int u = 0; u < kReadAhead; ++u)
+        if (j + u < len && (expf(xs[u] - mstar) > 0.f || exp((double)xs[u] - (double)mstar) > 0.0))
+          mask |= 1u << u;
+      const int n = __popc(mask);
+      const int inc = block_inclusive_scan(n, 0, SumI(), sm_i);
+      int at = base + inc - n;
+      for (int u = 0; u < kReadAhead; ++u)
+        if ((mask >> u) & 1u) {
+          if (at < pilot) lst[at] = (int)(j + u);
+          ++at;
+        }
+      if (tid == kSampleThreads - 1) sm_i[kSampleWarps] = inc;
+      __syncthreads();
+      base += sm_i[kSampleWarps];
+      __syncthreads();
+    }
+    __syncthreads();  // the list is written
+    const int n_list = base < pilot ? base : pilot;
+    // 2. o_A, a warp per listed token, lanes over d, float64; warps folded in order.
+    const BudgetRows vrows = budget_rows(v, 2, table, b, kvh, Hkv, N, D);
+    double acc[4] = {0.0, 0.0, 0.0, 0.0};
+    double ws = 0.0;
+    for (int m = warp; m < n_list; m += kSampleWarps) {
+      const int J = lst[m];
+      const double w = (double)expf(__ldg(xrow + J) - mstar);
+      const unsigned short* vj = vrows.row_of<unsigned short>(J);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int d = lane + 32 * i;
+        if (d < D) {
+          const unsigned short hv = __ldg(vj + d);
+          const float x = dtype == 0 ? Elem<f16>::to_float(hv) : Elem<bf16>::to_float(hv);
+          acc[i] += w * (double)x;
+        }
+      }
+      ws += w;
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      if (lane + 32 * i < D) red[warp * 128 + lane + 32 * i] = acc[i];
+    const double wsum = block_reduce(lane == 0 ? ws : 0.0, SumD(), sm_d);  // syncs: red ready
+    for (int d = tid; d < D; d += kSampleThreads) {
+      double s = 0.0;
+      for (int w = 0; w < kSampleWarps; ++w) s += red[w * 128 + d];  // fixed order
+      const double oa = s / wsum;
+      const double q = __dadd_rn(e[d], __dmul_rn(wA, oa));
+      a2 += oa * oa;
+      l2 += q * q;
+    }
+    a2 = block_reduce(a2, SumD(), sm_d);
+    l2 = block_reduce(l2, SumD(), sm_d);
+  }
+  if (tid != 0) return;
+  const SplitBound sb = split_bound(norm, way, wA, m2, Gn, size, y2, q2, a2, l2, c_main, c_full,
+                                    k_pilot, inv_dp);
+  const RowBudget r = budget_from_variance(sb.var, sb.L2, sb.c, eps, max_budget);
+  budget[row] = r.S;
+  capped[row] = r.capped ? 1 : 0;
+  error_bound[row] = r.bound;
+  norm_sq_lower[row] = sb.L2;
+  second_moment[row] = m2;
+  variance[row] = sb.var;
 }
 
 // ---- ||v_j||^2 beside the cache (stochattn/value_norms.py) -----------------------------
