@@ -50,55 +50,23 @@
 #
 # Device time counts from the asking to the giving back, starts (a minute or more) and the
 # 30 s warm tail included: give each call BUDGET_S from status's budget_left_s less ~120 s.
-# Left by the third session of 2026-12-07 (no GPU came: every start failed), two more
-# patches, each of which brings its own step into this file, so apply it first and run the
-# step in a second invocation (never edit this script while it runs):
-#   git apply tools/gpu/patches/kmeans_raw.patch && bash tools/gpu/pending_gpu.sh kmeans-raw
-#     (issue 30: the warm index build through the k-means cubins without importing Numba;
-#     branch raw-kmeans; GPU tests, then first use cold / warm raw / warm Numba)
-#   git apply tools/gpu/patches/doublep_sub.patch && bash tools/gpu/pending_gpu.sh doublep-sub
-#     (issue 31: Double-P mass="sub" on the GPU; branch gpu-sub; tests, memcheck, B8/128k)
-# First in the next session (left by the second session of 2026-12-07, whose device time
-# ran out after the moment-kernel change, the first-use A/B and the 8k study had run):
-#   bash tools/gpu/pending_gpu.sh on-demand-patch   (land it if the tests pass: the
-#     first-use win measured on the CPU, docs/gpu.md "Kernels compiled on demand")
-#   bash tools/gpu/pending_gpu.sh student-patch budgets-profile
-#     (then land the patch if its tests pass and it is faster: docs/budgets.md, the
-#     student bullet of "On the GPU"; decide between folding m2's sums into pass 1 and
-#     fusing the pilot with the budget kernel from the profile)
-#   issue 31: Macbeth seed 1 at 8k (PLAYS=macbeth FIRST_SEED=1 SEEDS=1 TAG=e
-#     tools/gpu/run_mass_study_gpu.sh), merged into
-#     benchmarks/results/cluster_mass_8192_h100_2026-12-07_merged.json's runs
-#   the split-KV merge's prefetch (tools/gpu/patches/prefetch_first_use.patch, what is left
-#     of it): first_use_ab.sh with repeats, only if worth it
-# The plan before that, three calls back to back (then flash-ncu, pdl and revisions if time
-# is left):
-#   bash tools/gpu/pending_gpu.sh gpu-suite decode-sanitize
-#   bash tools/gpu/pending_gpu.sh flash-tune kmeans-patch:labels kmeans-patch:both
-#   bash tools/gpu/pending_gpu.sh flash-sanitize read-floor
-#   bash tools/gpu/pending_gpu.sh flash-ncu pdl revisions
-#
-# THE QUEUE, in order of value (after the fourth session of 2026-12-07, whose GPU came late
-# and ran kmeans-raw, student-patch, on-demand-patch and the 8k-sub study: the on-demand,
-# budgets_review and student_one_pass patches landed, so the steps on-demand-patch and
-# student-patch now stop at their missing patch; budgets-profile needs nsys, absent from the
-# GPU image). Apply a patch alone on main, run its step, `git apply -R` it before the next:
-#   1. issue 30: kmeans_raw.patch + kmeans-raw (~250 s): its first run wrote no raw entry;
-#      the export now says why (raw.export_report() in the test messages and the JSON)
-#   2. issue 31: doublep_sub.patch + doublep-sub (~420 s): the GPU speed of sub, at
-#      (0.99, 0.9) as well (+0.52% on the report plays); then the nine other 8k-sub
-#      configurations on seed 1 (GRID=8k-sub FIRST_SEED=1 SEEDS=1 TAG=v, after
-#      run_llm_eval_gpu.sh install) and Macbeth seed 1 of the first grid (below)
-#   3. issue 32: doublep_budgets.patch + doublep-budgets (~480 s); the GPU tests of the
-#      landed tree's prop budgets together with the on-demand change (budgets-tests); where
-#      the targeted call's time goes without nsys, each launch alone under graph replay
-#      (~150 s): python3 -m benchmarks.run --routine budgets --cases 1:32768,8:131072
-#      --settings "0.1/0.1 clt pilot64" --launches --out $OUT/bench_budgets_launches
-#   4. issue 30's decode loop again on the landed tree (run_llm_eval_gpu.sh run loop), the
-#      prefetch rest, and compute-sanitizer with --report-api-errors no (its 34 "errors"
-#      on 2026-12-07 were cuGetProcAddress_v2 lookups of the CUDA Python bindings)
-#   5. issues 35 / 30: exact_lse.patch + exact-lse (~300 s): exact_decode(return_lse=True),
-#      the per-rank partial of context-parallel exact decode
+# THE QUEUE, in order of value (after the fifth session of 2026-12-07, whose H100 ran and
+# landed kmeans_raw, exact_lse, doublep_sub and doublep_budgets; no patch is left except
+# prefetch_first_use.patch). Older notes: git log of this file.
+#   1. issue 30: the warm first index build is 0.40 s through the raw entries (target 0.3
+#      s); cProfile put ~0.5 s of a profiled build in fingerprint_gpu importing SciPy /
+#      cupyx.scipy lazily (SciPy's sparse, numpy.f2py, array_api_compat); find the call
+#      (python3 trace_imports.py of that session, or -X importtime) and avoid it.
+#   2. issue 32: fold m2's sums into pass 1 (the moment pass is 104 of the 152 us overhead
+#      at B8/128k, budgets.md), then the pilot; a --launches mode for Double-P's "auto"
+#      (2.8-3.7x fixed S).
+#   3. issue 31: fp16 sub-centroids (the +120-132 us of stage 1 is bytes); the nine other
+#      8k-sub configurations on seed 1 (GRID=8k-sub FIRST_SEED=1 SEEDS=1 TAG=v, after
+#      run_llm_eval_gpu.sh install) and Macbeth seed 1 of the first grid; the 8k perplexity
+#      through the GPU sub path.
+#   4. issue 30's decode loop again on the landed tree (run_llm_eval_gpu.sh run loop);
+#      paged prop at B1 (1.27x eager, 1.12x graph) and flash at B8 (1.11x), bench_paged.
+#   5. issue 35: per-rank flash / prop kernels (prop's pass 1 / pass 2 split), then NCCL.
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=".:${PYTHONPATH:-}"
