@@ -56,7 +56,7 @@
 #   1. issue 30: the warm first index build is 0.40 s through the raw entries (target 0.3
 #      s); cProfile put ~0.5 s of a profiled build in fingerprint_gpu importing SciPy /
 #      cupyx.scipy lazily (SciPy's sparse, numpy.f2py, array_api_compat); find the call
-#      (python3 trace_imports.py of that session, or -X importtime) and avoid it.
+#      (tools/gpu/trace_imports.py prints the stack of each first import) and avoid it.
 #   2. issue 32: fold m2's sums into pass 1 (the moment pass is 104 of the 152 us overhead
 #      at B8/128k, budgets.md), then the pilot; a --launches mode for Double-P's "auto"
 #      (2.8-3.7x fixed S).
