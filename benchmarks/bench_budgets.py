@@ -19,8 +19,10 @@ eps / delta / rule / norm / pilot, ``max_budget`` fixed by ``--max-budget``):
 
 ``--launches``: also each launch of the targeted call alone under graph replay, the
 others replaced by no-ops (:func:`launch_slots`: pass 1, each pilot set, the moment and
-budget kernels, the main draws), as ``launch_<name>_us``: where the overhead goes, for a
-GPU image without Nsight Systems.
+budget kernels, the main draws; with ``--doublep`` :func:`doublep_launch_slots`: the
+decode's launches, then moment, prep, pilot, budgets, main and the merge), as
+``launch_<name>_us``: where the overhead goes, for a GPU image without Nsight Systems. Each
+launch alone reads what the warm-up's whole call left in the plan's workspace.
 
 With ``--doublep`` the same comparison for Double-P's sampled variant at (0.95, 0.7) (issue
 32, error-targeted budgets on its C_approx; ``--doublep-settings``): ``DoublePPlan(eps=...)``
@@ -89,6 +91,25 @@ def launch_slots(plan):
     slots += [(f"pilot_{i}", plan, "pilot_launches", i) for i in range(len(plan.pilot_launches))]
     slots += [(name, plan, f"{name}_launch", None) for name in ("moment", "budgets", "main")]
     return slots
+
+
+#: The launches of a targeted Double-P sampled plan (``stochattn.cuda.doublep._DoublePPlan``
+#: with ``targeted``), in call order: the decode's own (cluster logits, selection, row list,
+#: exact part, the C_approx stash's tiles), then the budgets' (moment, prep, pilot, budgets,
+#: main draws) and the merge. A None attribute (no pilot under "bound", no merge) is left out.
+DOUBLEP_LAUNCHES = (("cluster_logits", "logits"), ("select", "select"), ("rows", "rows"),
+                    ("attend", "attend"), ("tiles", "tiles"), ("moment", "split_moment"),
+                    ("prep", "split_prep"), ("pilot", "split_pilot"),
+                    ("budgets", "split_budgets"), ("main", "split_main"), ("merge", "merge"))
+
+
+def doublep_launch_slots(plan):
+    """``[(name, owner, attribute, None)]`` of a targeted Double-P plan (:data:`DOUBLEP_LAUNCHES`),
+    for :func:`benchmarks.bench_decode.launches_alone`."""
+    if getattr(plan, "targeted", None) is None:
+        raise ValueError("`plan` must be a Double-P plan with error-targeted budgets")
+    return [(name, plan, attr, None) for name, attr in DOUBLEP_LAUNCHES
+            if getattr(plan, attr, None) is not None]
 
 
 def main(argv=None):
@@ -178,9 +199,10 @@ def main(argv=None):
                 row.update({f"targeted_{k_}": x for k_, x in timed(plan, v_sqnorms=sq).items()})
                 if args.launches:
                     run = lambda: plan.run(q, k, v, out=out, seed=1, offset=0,  # noqa: E731
-                                           v_sqnorms=sq)
-                    alone = launches_alone(lambda: time_graph(run, t),
-                                           launch_slots(plan_of(run)))
+                                           v_sqnorms=sq, **extra)
+                    slots = (doublep_launch_slots if args.doublep else launch_slots)(
+                        plan_of(run))
+                    alone = launches_alone(lambda: time_graph(run, t), slots)
                     row.update({f"launch_{n}_us": x for n, x in alone.items()})
                     print(f"B={B} N={N} {name}: " + ", ".join(
                         f"{n} {x:.1f}" for n, x in alone.items()) + " us alone (graph)")

@@ -80,3 +80,49 @@ def test_plan_of_catches_the_plan_cache_answer(monkeypatch):
     assert inputs.cached_plan("k", lambda: 3) == 3  # the spy is gone
     with pytest.raises(RuntimeError, match="no GPU plan"):
         bd.plan_of(lambda: None)
+
+
+def _doublep_plan(log, *, pilot=True, merge=True):
+    def rec(name):
+        return lambda *a, **kw: log.append(name)
+
+    names = dict(bb.DOUBLEP_LAUNCHES)
+    plan = SimpleNamespace(targeted=object(), **{attr: rec(name) for name, attr in names.items()})
+    if not pilot:
+        plan.split_pilot = None
+    if not merge:
+        plan.merge = None
+    return plan
+
+
+def _doublep_run(plan):
+    """The targeted Double-P call's launch order (stochattn.cuda.doublep._DoublePPlan.run)."""
+    for name, attr in bb.DOUBLEP_LAUNCHES:
+        launch = getattr(plan, attr)
+        if launch is not None:
+            launch()
+
+
+@pytest.mark.parametrize("pilot, merge", [(True, True), (False, True), (True, False)])
+def test_doublep_slots_each_measurement_runs_one_launch(pilot, merge):
+    log = []
+    plan = _doublep_plan(log, pilot=pilot, merge=merge)
+    slots = bb.doublep_launch_slots(plan)
+    want = [n for n, a in bb.DOUBLEP_LAUNCHES
+            if not (a == "split_pilot" and not pilot) and not (a == "merge" and not merge)]
+    assert [s[0] for s in slots] == want
+
+    def measure():
+        del log[:]
+        _doublep_run(plan)
+        return list(log)
+
+    assert bd.launches_alone(measure, slots) == {n: [n] for n in want}
+    del log[:]
+    _doublep_run(plan)
+    assert log == want  # restored
+
+
+def test_doublep_slots_need_a_targeted_plan():
+    with pytest.raises(ValueError, match="`plan`"):
+        bb.doublep_launch_slots(SimpleNamespace(targeted=None))

@@ -58,8 +58,9 @@
 #      cupyx.scipy lazily (SciPy's sparse, numpy.f2py, array_api_compat); find the call
 #      (tools/gpu/trace_imports.py prints the stack of each first import) and avoid it.
 #   2. issue 32: fold m2's sums into pass 1 (the moment pass is 104 of the 152 us overhead
-#      at B8/128k, budgets.md), then the pilot; a --launches mode for Double-P's "auto"
-#      (2.8-3.7x fixed S).
+#      at B8/128k, budgets.md), then the pilot; where Double-P's "auto" (2.8-3.7x fixed S)
+#      spends its time (~60 s): python3 -m benchmarks.run --routine budgets --doublep
+#      --cases 8:32768,8:131072 --launches --out $OUT/bench_doublep_budgets_launches
 #   3. issue 31: fp16 sub-centroids (the +120-132 us of stage 1 is bytes); the nine other
 #      8k-sub configurations on seed 1 (GRID=8k-sub FIRST_SEED=1 SEEDS=1 TAG=v, after
 #      run_llm_eval_gpu.sh install) and Macbeth seed 1 of the first grid; the 8k perplexity
