@@ -66,7 +66,6 @@ SOURCES = ("stochattn.cuda.kmeans.kernels", "stochattn.spec")
 #: Names whose value the source computes from the environment: their value on a GPU.
 PRESETS = {"stochattn.cuda.kmeans.kernels": {"SIM": False}}
 
-_PACKAGES = ("numpy", "numba", "numba-cuda", "llvmlite", "cuda-bindings", "cuda-core")
 _ENV_IGNORED = ("NUMBA_CACHE_DIR", "NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS")
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))  # the directory holding the stochattn package
@@ -114,7 +113,6 @@ _UNARY = {ast.USub: lambda a: -a, ast.UAdd: lambda a: +a, ast.Invert: lambda a: 
 _lock = threading.Lock()
 _parsed: dict = {}  # module name -> (texts, unknown names) of its source
 _digests: dict = {}  # path -> sha256
-_versions: dict = {}
 
 
 def source_path(module: str) -> str:
@@ -250,32 +248,28 @@ def source_values(module: str) -> dict:
     return dict(frozen_values(module)[0])
 
 
+def _texts(entries) -> dict:
+    """``{"module.NAME": text}`` of the ``(module, name, value)`` entries whose value Numba
+    would freeze (:func:`diskcache._value` texts), dunder names left out."""
+    out = {}
+    for module, name, v in entries:
+        if name.startswith("__"):
+            continue
+        text = _diskcache._value(v)
+        if text is not None:
+            out[f"{module}.{name}"] = text
+    return dict(sorted(out.items()))
+
+
 def frozen_texts() -> dict:
     """``{"module.NAME": text}`` of every value of the :data:`SOURCES` modules that Numba
     would freeze (:func:`diskcache._value` texts), as the sources give them."""
-    out = {}
-    for module in SOURCES:
-        values, _ = frozen_values(module)
-        for name, v in values.items():
-            if name.startswith("__"):
-                continue
-            text = _diskcache._value(v)
-            if text is not None:
-                out[f"{module}.{name}"] = text
-    return dict(sorted(out.items()))
+    return _texts((m, name, v) for m in SOURCES for name, v in frozen_values(m)[0].items())
 
 
 def runtime_texts(modules) -> dict:
     """The same texts from imported modules (``{name: module}``)."""
-    out = {}
-    for mod_name, mod in modules.items():
-        for name, v in vars(mod).items():
-            if name.startswith("__"):
-                continue
-            text = _diskcache._value(v)
-            if text is not None:
-                out[f"{mod_name}.{name}"] = text
-    return dict(sorted(out.items()))
+    return _texts((m, name, v) for m, mod in modules.items() for name, v in vars(mod).items())
 
 
 def runtime_matches(modules=None) -> bool:
@@ -302,24 +296,12 @@ def _file_digest(path: str) -> str:
     return digest
 
 
-def _package_versions() -> dict:
-    if not _versions:
-        from importlib import metadata
-
-        for name in _PACKAGES:
-            try:
-                _versions[name] = metadata.version(name)
-            except metadata.PackageNotFoundError:
-                _versions[name] = None
-    return dict(_versions)
-
-
 def key_material(cc: str) -> dict:
     """What the raw key of compute capability ``cc`` ("90") is made of (no Numba)."""
     return {
         "format": FORMAT,
         "sources": {m: _file_digest(source_path(m)) for m in SOURCES},
-        "packages": _package_versions(),
+        "packages": _diskcache._package_versions(),
         "python": list(sys.version_info[:3]) + [sys.implementation.name,
                                                 getattr(sys, "abiflags", "")],
         "env": {k: v for k, v in sorted(os.environ.items())
