@@ -137,6 +137,37 @@ def test_exact_non_finite_key_on_one_rank_reaches_its_group_only():
     _close(got[ok], want[ok], v)
 
 
+@pytest.fixture
+def lse_partials(monkeypatch):
+    """Route every rank's exact partial through exact_partial_lse (the GPU shards' path:
+    one exact_attention(return_lse=True) call per rank), here on the NumPy reference."""
+    from stochattn.context_parallel import core
+
+    monkeypatch.setattr(core, "backend_of", lambda **arrays: "cuda")
+
+
+@pytest.mark.parametrize("R, bounds", SPLITS + [(3, [0, 1, 2, N])])
+@pytest.mark.parametrize("li", range(len(LENS)))
+def test_exact_through_lse_partials_equals_unsplit(lse_partials, R, bounds, li):
+    q, k, v = _inputs(seed=li)
+    lens = LENS[li]
+    res = cp.cp_exact_attention(q, _shards(R, bounds, k, v, lens, align=1),
+                                cp.SimulatedCollectives(R), SCALE)
+    _close(res.out, exact_attention(q, k, v, lens, SCALE), v)
+
+
+def test_exact_through_lse_partials_non_finite_rows(lse_partials):
+    q, k, v = _inputs()
+    k[1, 0, 150, 3] = np.nan  # rank 2 of 3: heads 0 and 1 of sequence 1
+    q[2, 3, 0] = np.inf  # a non-finite query: its row on every rank that holds its tokens
+    want = exact_attention(q, k, v, None, SCALE)
+    got = cp.cp_exact_attention(q, _shards(3, None, k, v, None), cp.SimulatedCollectives(3),
+                                SCALE).out
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    ok = ~np.isnan(want)
+    _close(got[ok], want[ok], v)
+
+
 # ---- S²ANTA-prop ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("R, bounds", SPLITS)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._backend import backend_of
 from ..reference.common import lengths, logits, masked_weights, nonfinite_rows
 from ..reference.santa import merge_scales
 
@@ -228,17 +229,43 @@ def _bad(q, s: Shard):
 
 
 def _exact_partial(q, s: Shard, scale: float):
-    """(m, l, acc) of rank s over its live tokens: (B, Hq), (B, Hq), (B, Hq, D)."""
+    """(m, l, acc, bad) of rank s over its live tokens: (B, Hq), (B, Hq), (B, Hq, D) float64
+    and the rows that read a non-finite query or key. NumPy shards: the reference, float64.
+    GPU shards (CuPy or torch): :func:`exact_partial_lse`, one ``exact_attention`` call of
+    the GPU kernels on the rank's shard."""
     B, Hq, D = q.shape
     Hkv, n = s.k.shape[1], s.k.shape[2]
     if n == 0:  # an empty shard: nothing live
-        return np.zeros((B, Hq)), np.zeros((B, Hq)), np.zeros((B, Hq, D))
+        return np.zeros((B, Hq)), np.zeros((B, Hq)), np.zeros((B, Hq, D)), np.zeros((B, Hq), bool)
+    if backend_of(q=q, k=s.k, v=s.v) == "cuda":
+        return exact_partial_lse(q, s, scale)
     x = logits(q, s.k, s.lens, scale)
     w, m = masked_weights(x)
     vv = np.asarray(s.v, dtype=np.float64)
     vv = np.where(np.arange(n)[None, None, :, None] < s.lens[:, None, None, None], vv, 0.0)
     acc = np.einsum("bkgn,bknd->bkgd", w.reshape(B, Hkv, Hq // Hkv, n), vv).reshape(B, Hq, D)
-    return m[..., 0], w.sum(axis=-1), acc
+    return m[..., 0], w.sum(axis=-1), acc, _bad(q, s)
+
+
+def exact_partial_lse(q, s: Shard, scale: float):
+    """(m, l, acc, bad) of rank s from ``stochattn.exact_attention(..., return_lse=True)``
+    on its shard, whichever backend the arrays pick (the GPU kernels for CuPy / torch,
+    which copy a non-contiguous shard view first): ``(m=lse, l=1, acc=out)`` where lse is
+    finite, an empty partial (m 0, l 0, acc 0) where it is -inf (no live token), and bad
+    where it is NaN (a non-finite query or live key: the row becomes NaN after the merge,
+    as :func:`_finish` does for the reference). Only the (B, Hq, D + 1) result comes to the
+    host."""
+    from ..cuda.runtime.arrays import to_host
+    from ..exact import exact_attention
+
+    out, lse = exact_attention(q, s.k, s.v, s.lens, softmax_scale=scale, return_lse=True)
+    out = np.asarray(to_host(out), dtype=np.float64)
+    lse = np.asarray(to_host(lse), dtype=np.float64)
+    bad = np.isnan(lse)
+    live = np.isfinite(lse)
+    m = np.where(live, lse, 0.0)
+    acc = np.where(live[..., None], out, 0.0)
+    return m, live.astype(np.float64), acc, bad
 
 
 def _pack(m, l, acc):
@@ -254,6 +281,6 @@ def cp_exact_attention(q, shards, comm: Collectives, scale: float) -> CPResult:
     :func:`merge_partials`. Equals ``reference.exact.exact_attention`` up to summation
     order (docs/context_parallel.md gives the tolerance)."""
     local = _local(comm, shards)
-    packs = [_pack(*_exact_partial(q, s, scale)) for s in local]
-    outs = [_merge_packed(g) for g in comm.all_gather(packs)]
-    return CPResult(_finish(comm, shards, q, outs, [_bad(q, s) for s in local]))
+    parts = [_exact_partial(q, s, scale) for s in local]
+    outs = [_merge_packed(g) for g in comm.all_gather([_pack(*p[:3]) for p in parts])]
+    return CPResult(_finish(comm, shards, q, outs, [p[3] for p in parts]))

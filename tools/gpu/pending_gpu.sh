@@ -67,7 +67,9 @@
 #      through the GPU sub path.
 #   4. issue 30's decode loop again on the landed tree (run_llm_eval_gpu.sh run loop);
 #      paged prop at B1 (1.27x eager, 1.12x graph) and flash at B8 (1.11x), bench_paged.
-#   5. issue 35: per-rank flash / prop kernels (prop's pass 1 / pass 2 split), then NCCL.
+#   5. issue 35: python3 -m pytest -q tests/gpu/test_context_parallel_gpu.py (exact decode
+#      over GPU shards, written 2026-12-07, not yet run); per-rank flash / prop kernels
+#      (prop's pass 1 / pass 2 split), then NCCL.
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=".:${PYTHONPATH:-}"
