@@ -81,6 +81,12 @@ GRID = (
     # A coarser index: prompt_len // 32 clusters, the transformers integration's default.
     + [(f"doublep-coarse-{p1}-{p2}", "Double-P centroid, N/32 clusters", "doublep",
         dict(p1=p1, p2=p2, cluster_ratio=32)) for p1, p2 in ((0.95, 0.7),)]
+    # Issue 31 through the library (the mass study's tuned cut, 2026-12-07): the clusters
+    # scored by 4 sub-centroids each (mass="sub"), beside paper at the same cut.
+    + [(f"doublep-{p1}-{p2}", "Double-P centroid", "doublep", dict(p1=p1, p2=p2))
+       for p1, p2 in ((0.99, 0.9),)]
+    + [(f"doublep-sub-{p1}-{p2}", "Double-P centroid, sub mass", "doublep",
+        dict(p1=p1, p2=p2, mass="sub")) for p1, p2 in ((0.95, 0.7), (0.99, 0.9))]
 )
 
 

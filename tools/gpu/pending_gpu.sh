@@ -64,7 +64,9 @@
 #   3. issue 31: fp16 sub-centroids (the +120-132 us of stage 1 is bytes); the nine other
 #      8k-sub configurations on seed 1 (GRID=8k-sub FIRST_SEED=1 SEEDS=1 TAG=v, after
 #      run_llm_eval_gpu.sh install) and Macbeth seed 1 of the first grid; the 8k perplexity
-#      through the GPU sub path.
+#      through the GPU sub path (after the model install): python3 -m benchmarks.accuracy
+#      --xp cupy --plays othello king-lear hamlet macbeth --tokens 8192 --stride 4 --seeds 1
+#      --only doublep-0.99-0.9 doublep-sub-0.99-0.9 --out $OUT/accuracy_8192_sub.json
 #   4. issue 30's decode loop again on the landed tree (run_llm_eval_gpu.sh run loop);
 #      paged prop at B1 (1.27x eager, 1.12x graph) and flash at B8 (1.11x), bench_paged.
 #   5. issue 35: python3 -m pytest -q tests/gpu/test_context_parallel_gpu.py (exact decode

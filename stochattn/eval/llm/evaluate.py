@@ -97,7 +97,8 @@ def _sink_window_attention(q, k, v, seq_lens, *, n_sink=4, window=64):
 
 def make_estimator(name, *, budget=128, p=0.95, sampler="systematic", schedule="prop",
                    n_sink=4, window=64, p1=0.95, p2=0.7, approx="centroid", clusters=8,
-                   prefill=None, cluster_ratio=16, kmeans_iterations=10, diagnostics=None):
+                   prefill=None, cluster_ratio=16, kmeans_iterations=10, mass="paper",
+                   diagnostics=None):
     """An estimator ``f(q, k, v, seq_lens, *, seed, offset) -> out (P, Hq, D)``.
 
     Parameters
@@ -113,7 +114,9 @@ def make_estimator(name, *, budget=128, p=0.95, sampler="systematic", schedule="
         ``"cluster_topk"``: :func:`stochattn.doublep.cluster_topk_attention` with
         ``clusters`` clusters. Both on the decode-faithful index of :func:`decode_index`
         (``prefill``, ``cluster_ratio``, ``kmeans_iterations``; sinks ``n_sink``, window
-        ``window``).
+        ``window``). ``mass="sub"`` (``"doublep"`` only): the index is built with
+        ``mass="sub"`` (4 sub-centroids per cluster, grown by append) and the clusters are
+        scored by their sub-centroids (issue 31; ``doublep_attention(..., mass="sub")``).
     prefill : int
         Required by ``"doublep"`` / ``"cluster_topk"``: the prompt length whose exact keys
         the k-means index is built on (:func:`evaluate` passes the first evaluated position).
@@ -131,7 +134,7 @@ def make_estimator(name, *, budget=128, p=0.95, sampler="systematic", schedule="
                                     schedule=schedule, n_sink=n_sink, window=window,
                                     p1=p1, p2=p2, approx=approx, clusters=clusters,
                                     prefill=prefill, cluster_ratio=cluster_ratio,
-                                    kmeans_iterations=kmeans_iterations,
+                                    kmeans_iterations=kmeans_iterations, mass=mass,
                                     with_diagnostics=diagnostics is not None)
     if diagnostics is None or name in ("exact", "sinkwindow"):
         return f, stochastic
@@ -172,7 +175,7 @@ def summarize_diagnostics(diags):
 
 
 def decode_index(k, v, seq_lens, *, prefill, n_clusters, iterations=10, n_sink=4, window=64,
-                 seed=0):
+                 seed=0, mass="paper"):
     """The Double-P index a decode would hold at each row's length, as a batch index.
 
     One k-means index (batch 1) is built on the exact keys/values ``[0, prefill)`` of row 0
@@ -188,7 +191,7 @@ def decode_index(k, v, seq_lens, *, prefill, n_clusters, iterations=10, n_sink=4
     k, v : ndarray (P, Hkv, N, D)
     seq_lens : int array (P,)
         Non-decreasing, each > ``prefill``.
-    prefill, n_clusters, iterations, n_sink, window, seed
+    prefill, n_clusters, iterations, n_sink, window, seed, mass
         Of :func:`stochattn.doublep.build_doublep_index`.
 
     Returns
@@ -202,7 +205,8 @@ def decode_index(k, v, seq_lens, *, prefill, n_clusters, iterations=10, n_sink=4
         raise ValueError(f"`seq_lens`: expected non-decreasing and > prefill {prefill}, "
                          f"got {lens.tolist()}")
     index = build_doublep_index(k[:1, :, :prefill], v[:1, :, :prefill], n_clusters=n_clusters,
-                                iterations=iterations, n_sink=n_sink, window=window, seed=seed)
+                                iterations=iterations, n_sink=n_sink, window=window, seed=seed,
+                                mass=mass)
     snaps = []
     for i, L in enumerate(lens):
         index.append(k[i:i + 1], v[i:i + 1], lens[i:i + 1])
@@ -211,7 +215,8 @@ def decode_index(k, v, seq_lens, *, prefill, n_clusters, iterations=10, n_sink=4
 
 
 def _make_estimator(name, *, budget, p, sampler, schedule, n_sink, window, p1, p2, approx,
-                    clusters, prefill, cluster_ratio, kmeans_iterations, with_diagnostics):
+                    clusters, prefill, cluster_ratio, kmeans_iterations, with_diagnostics,
+                    mass="paper"):
     """:func:`make_estimator` without the collection; library calls pass ``with_diagnostics``."""
     rd = with_diagnostics
     if name in ("doublep", "cluster_topk"):
@@ -223,7 +228,8 @@ def _make_estimator(name, *, budget, p, sampler, schedule, n_sink, window, p1, p
 
         def index_of(k, v, lens):
             return decode_index(k, v, lens, prefill=prefill, n_clusters=n_clusters,
-                                iterations=kmeans_iterations, n_sink=n_sink, window=window)
+                                iterations=kmeans_iterations, n_sink=n_sink, window=window,
+                                mass=mass if name == "doublep" else "paper")
 
         if name == "cluster_topk":
             return (lambda q, k, v, lens, *, seed, offset: cluster_topk_attention(
@@ -232,7 +238,7 @@ def _make_estimator(name, *, budget, p, sampler, schedule, n_sink, window, p1, p
         b = budget if approx == "sample" else None
         return (lambda q, k, v, lens, *, seed, offset: doublep_attention(
             q, k, v, lens, index=index_of(k, v, lens), p1=p1, p2=p2, approx=approx, budget=b,
-            sampler=sampler, seed=seed, offset=offset, return_diagnostics=rd)), \
+            sampler=sampler, seed=seed, offset=offset, mass=mass, return_diagnostics=rd)), \
             approx == "sample"
     if name == "exact":
         from stochattn.exact import exact_attention
@@ -676,6 +682,8 @@ def main(argv=None):
     ap.add_argument("--p2", type=float, default=0.7, help="doublep stage 2 threshold")
     ap.add_argument("--approx", default="centroid", choices=("centroid", "sample"),
                     help="doublep: C_approx as centroids or --budget SANTA draws")
+    ap.add_argument("--mass", default="paper", choices=("paper", "sub"),
+                    help="doublep: cluster mass from the centroid (paper) or 4 sub-centroids")
     ap.add_argument("--clusters", type=int, default=8, help="cluster_topk: clusters kept")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--cache-mb", type=int, default=None,
@@ -697,7 +705,7 @@ def main(argv=None):
     opts = {"santa": dict(budget=args.budget, sampler=args.sampler, schedule=args.schedule),
             "topk": dict(budget=args.budget), "quest": dict(budget=args.budget),
             "top_p": dict(p=args.p), "sinkwindow": {}, "exact": {},
-            "doublep": dict(p1=args.p1, p2=args.p2, approx=args.approx,
+            "doublep": dict(p1=args.p1, p2=args.p2, approx=args.approx, mass=args.mass,
                             **(dict(budget=args.budget) if args.approx == "sample" else {})),
             "cluster_topk": dict(clusters=args.clusters)}[args.estimator]
     from .model import load_model
