@@ -61,7 +61,16 @@
 #      at B8/128k, budgets.md), then the pilot; where Double-P's "auto" (2.8-3.7x fixed S)
 #      spends its time (~60 s): python3 -m benchmarks.run --routine budgets --doublep
 #      --cases 8:32768,8:131072 --launches --out $OUT/bench_doublep_budgets_launches
-#   3. issue 31: fp16 sub-centroids (the +120-132 us of stage 1 is bytes); the nine other
+#   3. issue 31: fp16 sub-centroids (the +120-132 us of stage 1 is bytes), written as
+#      tools/gpu/patches/fp16_sub.patch (branch fp16-sub; CPU compile and tests pass). Apply
+#      it, then: python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_doublep_sub.py
+#      tests/gpu/test_cuda_doublep.py tests/gpu/test_cuda_doublep_append.py
+#      tests/gpu/test_paged_doublep.py tests/gpu/test_cuda_doublep_budgets.py
+#      -k "not decode_paged_equals_contiguous"; memcheck (--report-api-errors no) of
+#      test_cuda_doublep_sub.py -k "llama or empty or append or paged or other_sub or float32";
+#      python3 -u benchmarks/bench_doublep.py --cases 8:131072 --mass paper,sub
+#      --no-flashinfer --sample-budgets 64 --out bench_doublep_sub16.json (predicted: sub
+#      (0.99, 0.9) ~455 us, 3.0x SDPA, from 522 us); land if so; then the nine other
 #      8k-sub configurations on seed 1 (GRID=8k-sub FIRST_SEED=1 SEEDS=1 TAG=v, after
 #      run_llm_eval_gpu.sh install) and Macbeth seed 1 of the first grid; the 8k perplexity
 #      through the GPU sub path (after the model install): python3 -m benchmarks.accuracy
