@@ -58,7 +58,12 @@
 #      cupyx.scipy lazily (SciPy's sparse, numpy.f2py, array_api_compat); find the call
 #      (tools/gpu/trace_imports.py prints the stack of each first import) and avoid it.
 #   2. issue 32: fold m2's sums into pass 1 (the moment pass is 104 of the 152 us overhead
-#      at B8/128k, budgets.md), then the pilot; where Double-P's "auto" (2.8-3.7x fixed S)
+#      at B8/128k, budgets.md, 2.4x the 44 us its stash read costs: its 4096-token CTAs
+#      each reduce the row's 2048 tile maxima first; see why before changing it:
+#      ncu --clock-control none -k regex:santa_prop_second_moment --launch-skip 3
+#      --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section
+#      Occupancy --section WarpStateStats python3 -m benchmarks.run --routine budgets
+#      --cases 8:131072 --settings "0.1/0.1 clt pilot64" --no-graphs), then the pilot; where Double-P's "auto" (2.8-3.7x fixed S)
 #      spends its time (~60 s): python3 -m benchmarks.run --routine budgets --doublep
 #      --cases 8:32768,8:131072 --launches --out $OUT/bench_doublep_budgets_launches
 #   3. issue 31: fp16 sub-centroids (the +120-132 us of stage 1 is bytes), written as
