@@ -51,9 +51,9 @@
 # Device time counts from the asking to the giving back, starts (a minute or more) and the
 # 30 s warm tail included: give each call BUDGET_S from status's budget_left_s less ~120 s.
 # THE QUEUE, in order of value (after the fifth session of 2026-12-07, whose H100 ran and
-# landed kmeans_raw, exact_lse, doublep_sub and doublep_budgets; no patch is left except
-# prefetch_first_use.patch). Older notes: git log of this file.
-#   1. issue 30: the warm first index build is 0.40 s through the raw entries (target 0.3
+# landed kmeans_raw, exact_lse, doublep_sub and doublep_budgets; the patches left are
+# fp16_sub.patch (item 3) and prefetch_first_use.patch). Older notes: git log of this file.
+#   1. issue 30: the warm first index build is 0.40-0.68 s through the raw entries (target 0.3
 #      s); cProfile put ~0.5 s of a profiled build in fingerprint_gpu importing SciPy /
 #      cupyx.scipy lazily (SciPy's sparse, numpy.f2py, array_api_compat); find the call
 #      (tools/gpu/trace_imports.py prints the stack of each first import) and avoid it.
